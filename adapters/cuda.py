@@ -1,0 +1,40 @@
+"""The CUDA adapter: NVIDIA GPUs with NCCL, and AMD GPUs through ROCm (RCCL behind 'nccl').
+
+On CUDA nothing needs translating: torch.cuda is real. The adapter exists so that the
+selection, the report and the collective router treat every device alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from portspeed.accelerator import Accelerator
+
+__all__ = ["CudaAccelerator"]
+
+
+class CudaAccelerator(Accelerator):
+    """torch.cuda with NCCL (or RCCL on ROCm, recognised through torch.version.hip)."""
+
+    name = "cuda"
+    device_type = "cuda"
+    backend = "nccl"
+
+    @classmethod
+    def detect(cls) -> bool:
+        return bool(torch.cuda.is_available())
+
+    @property
+    def flavor(self) -> str:
+        """'rocm' on AMD builds (torch.version.hip set), else 'cuda'."""
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["flavor"] = self.flavor
+        return d

@@ -1,0 +1,99 @@
+"""The Patch record: one frozen description of one change to one framework object.
+
+A patch names its target as ``"package.module:Qualified.attr"`` (the module part is
+what gets imported; the part after the colon is walked with getattr), says whether it
+**replaces** the target or **wraps** it, carries the replacement or the wrapper, the
+distribution and PEP 440 version range it is written for, an optional condition on the
+active accelerator, and one sentence of why.
+
+Wrappers use wrapt's signature ``wrapper(wrapped, instance, args, kwargs)``; several
+wrappers of one target chain by ``order`` (lower is closer to the original), then by
+registration order.
+
+Example::
+
+    Patch(
+        name="megatron.parallel_state.backend",
+        target="megatron.core.parallel_state:initialize_model_parallel",
+        kind="wrap",
+        impl=route_backend,
+        distribution="megatron-core",
+        versions=">=0.14,<0.17",
+        reason="Megatron creates its sub-groups with NCCL; route them to the adapter's backend.",
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import TYPE_CHECKING, Any, Callable, Literal
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from .errors import PatchDefinitionError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .accelerator import Accelerator
+
+__all__ = ["Patch", "PatchKind", "REPLACE", "WRAP"]
+
+PatchKind = Literal["replace", "wrap"]
+REPLACE: PatchKind = "replace"
+WRAP: PatchKind = "wrap"
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One declared change. See the module docstring for the contract."""
+
+    name: str
+    target: str
+    kind: PatchKind
+    impl: Any
+    reason: str
+    distribution: str | None = None
+    versions: str = ""
+    when: "Callable[[Accelerator], bool] | None" = None
+    order: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.name or not re.match(r"^[A-Za-z0-9_.\-]+$", self.name):
+            raise PatchDefinitionError(f"patch name {self.name!r} must be non-empty letters, digits, '.', '_', '-'")
+        module, sep, attr = self.target.partition(":")
+        if not sep or not _MODULE.match(module) or not _MODULE.match(attr):
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: target {self.target!r} must be 'package.module:Attr.path' "
+                "(module, a colon, then the attribute path inside it)"
+            )
+        if self.kind not in (REPLACE, WRAP):
+            raise PatchDefinitionError(f"patch {self.name!r}: kind must be 'replace' or 'wrap', not {self.kind!r}")
+        if not callable(self.impl) and self.kind == WRAP:
+            raise PatchDefinitionError(f"patch {self.name!r}: a wrap patch needs a callable wrapper")
+        if not self.reason or not self.reason.strip():
+            raise PatchDefinitionError(f"patch {self.name!r}: give one sentence of why it is needed")
+        if self.versions:
+            if not self.distribution:
+                raise PatchDefinitionError(f"patch {self.name!r}: a version range needs a distribution name")
+            try:
+                SpecifierSet(self.versions)
+            except InvalidSpecifier as exc:
+                raise PatchDefinitionError(
+                    f"patch {self.name!r}: versions {self.versions!r} is not a PEP 440 specifier ({exc})"
+                ) from None
+
+    @property
+    def module(self) -> str:
+        """The module to import (left of the colon)."""
+        return self.target.partition(":")[0]
+
+    @property
+    def attr_path(self) -> tuple[str, ...]:
+        """The attribute path inside the module (right of the colon), split on dots."""
+        return tuple(self.target.partition(":")[2].split("."))
+
+    @property
+    def specifier(self) -> SpecifierSet:
+        return SpecifierSet(self.versions, prereleases=True)
