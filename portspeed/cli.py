@@ -1,0 +1,45 @@
+"""The `portspeed` command: a thin dispatcher to one module per subcommand.
+
+Each subcommand lives in its own module with ``main(argv: list[str]) -> int`` and is
+imported only when used, so `portspeed --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main", "COMMANDS"]
+
+#: subcommand -> ("module:function", one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "info": ("portspeed.info:main", "versions, adapters, backend capability gaps, which patch sets apply"),
+    "patches": ("portspeed.patch_report:main", "list every patch: applied / pending / skipped / failed"),
+    "run": ("portspeed.launch:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
+    "compare": ("portspeed.compare:main", "compare per-iteration losses of two or more runs"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="portspeed",
+        description="Run Megatron-LM / DeepSpeed on any accelerator, and compare losses across backends.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_) in COMMANDS.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        parser.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
+    target, _ = COMMANDS[name]
+    modname, _, func = target.partition(":")
+    return int(getattr(importlib.import_module(modname), func)(rest) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
