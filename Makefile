@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test test-stock bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the pinned CPU torch first: an unpinned torch pulls several GB of CUDA wheels
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job: a Megatron-Core GPT trained on CPU/Gloo with TP, PP and DP through portspeed.
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) examples/demo.py
+
+## The test suite (what CI runs).
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+## Tests against stock Megatron-LM; needs MEGATRON_LM_ROOT pointing at a core_v0.16.1 checkout.
+test-stock: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info
