@@ -231,12 +231,18 @@ class Accelerator:
     def is_fp16_supported(self) -> bool:
         return True
 
+    def is_fp64_supported(self) -> bool:
+        """Whether float64 tensors compute in float64 here (some devices lack or downcast it)."""
+        return True
+
     def supported_dtypes(self) -> list[torch.dtype]:
         out = [torch.float32]
         if self.is_fp16_supported():
             out.append(torch.float16)
         if self.is_bf16_supported():
             out.append(torch.bfloat16)
+        if self.is_fp64_supported():
+            out.append(torch.float64)
         return out
 
     # -- profiling ranges ---------------------------------------------------------

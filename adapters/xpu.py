@@ -1,0 +1,89 @@
+"""The Intel GPU adapter: native ``torch.xpu``; collectives use XCCL, or oneCCL's ``ccl``.
+
+torch.xpu ships with torch and follows the torch.cuda API, so there is no vendor
+package to import for the device itself. The collective backend is chosen at run time:
+``xccl`` when this torch's c10d has it (torch 2.8+ XPU builds), else ``ccl`` when
+``oneccl_bindings_for_pytorch`` imports (it registers ``ccl`` on import), else ``xccl``
+so that process-group creation fails with torch's own message.
+float64 exists only on GPUs whose properties say ``has_fp64`` (Arc and some iGPUs lack it).
+
+Not run on Intel hardware by this project: tested against ``tests/fakes/fake_torch_xpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from portspeed.accelerator import Accelerator
+
+__all__ = ["XpuAccelerator"]
+
+log = logging.getLogger("portspeed.adapters.xpu")
+
+
+def _c10d_has_xccl() -> bool:
+    import torch.distributed as dist
+
+    probe = getattr(dist, "is_xccl_available", None)
+    if probe is not None:
+        try:
+            return bool(probe())
+        except Exception:  # pragma: no cover - a broken probe means "no"
+            return False
+    return "xccl" in getattr(dist.Backend, "backend_list", [])
+
+
+def _oneccl_imports() -> bool:
+    try:
+        importlib.import_module("oneccl_bindings_for_pytorch")
+    except ImportError:
+        return False
+    return True
+
+
+class XpuAccelerator(Accelerator):
+    """Intel Data Center / Arc GPUs through native torch.xpu with XCCL (or oneCCL's ``ccl``)."""
+
+    name = "xpu"
+    device_type = "xpu"
+    backend = "xccl"
+    vendor_modules = ()
+    vendor_package = "torch (an XPU build: pip install torch --index-url https://download.pytorch.org/whl/xpu)"
+    verified_on_hardware = False
+
+    @classmethod
+    def detect(cls) -> bool:
+        xpu = getattr(torch, "xpu", None)
+        try:
+            return bool(xpu is not None and xpu.is_available())
+        except Exception:
+            return False
+
+    @property
+    def communication_backend(self) -> str:
+        if self._backend_override:
+            return self._backend_override
+        if _c10d_has_xccl():
+            return "xccl"
+        if _oneccl_imports():
+            return "ccl"
+        log.warning(
+            "portspeed: this torch has no 'xccl' backend and oneccl_bindings_for_pytorch is not "
+            "installed; XPU collectives will fail (pip install oneccl_bind_pt, or use torch>=2.8 XPU)"
+        )
+        return "xccl"
+
+    def is_fp64_supported(self) -> bool:
+        try:
+            return bool(getattr(self.module.get_device_properties(self.current_device()), "has_fp64", True))
+        except Exception:
+            return False
+
+    def range_push(self, msg: str) -> None:
+        pass
+
+    def range_pop(self) -> None:
+        pass
