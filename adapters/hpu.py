@@ -1,16 +1,21 @@
 """The Intel Gaudi (Habana) adapter: ``habana_frameworks.torch`` registers ``torch.hpu``; HCCL.
 
 Importing ``habana_frameworks.torch`` registers the ``hpu`` device and ``torch.hpu``;
-importing ``habana_frameworks.torch.distributed.hccl`` registers the ``hccl`` c10d backend,
-so both are vendor modules. What differs from torch.cuda: the default generators live in
-``torch.hpu.random``; there is no caching-allocator reserve (``memory_reserved`` is read
-from ``memory_stats`` when present); Gaudi has no float64.
+importing ``habana_frameworks.torch.distributed.hccl`` registers the ``hccl`` c10d
+backend, so both are vendor modules. Where torch.hpu differs from torch.cuda:
+
+- the default generators live in ``torch.hpu.random``;
+- ``synchronize``, ``current_stream`` and ``default_stream`` take no device index
+  (one process drives one Gaudi);
+- there is no cache to empty, and total memory is the ``Limit`` memory statistic;
+- Gaudi has no float64, and first-generation Gaudi no float16 (asked of the bridge).
 
 Not run on Gaudi hardware by this project: tested against ``tests/fakes/fake_habana.py``.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -30,19 +35,31 @@ class HpuAccelerator(Accelerator):
     vendor_package = "habana-torch-plugin"
     verified_on_hardware = False
 
+    def synchronize(self, index: int | None = None) -> None:
+        self.module.synchronize()
+
     def default_generator(self, index: int | None = None) -> torch.Generator:
-        random = getattr(self.module, "random", None)
-        gens = getattr(random, "default_generators", None) or self.module.default_generators
-        return gens[self._index(index)]
+        return self.module.random.default_generators[self._index(index)]
 
-    def memory_reserved(self, index: int | None = None) -> int:
-        return int(self.memory_stats(index).get("Reserved", self.memory_allocated(index)))
+    def current_stream(self, index: int | None = None) -> Any:
+        return self.module.current_stream()
 
-    def max_memory_reserved(self, index: int | None = None) -> int:
-        return int(self.memory_stats(index).get("MaxReserved", self.max_memory_allocated(index)))
+    def default_stream(self, index: int | None = None) -> Any:
+        return self.module.default_stream()
 
-    def memory_stats(self, index: int | None = None) -> dict[str, Any]:
-        return dict(self.module.memory_stats(index))
+    def empty_cache(self) -> None:
+        # The Gaudi allocator keeps no cache that user code can release.
+        pass
+
+    def total_memory(self, index: int | None = None) -> int:
+        return int(self.memory_stats(index)["Limit"])
+
+    def is_fp16_supported(self) -> bool:
+        try:
+            experimental = importlib.import_module("habana_frameworks.torch.utils.experimental")
+            return bool(experimental._is_fp16_supported())
+        except (ImportError, AttributeError):
+            return True  # Gaudi2 and later; the bridge is too old to ask
 
     def is_fp64_supported(self) -> bool:
         return False

@@ -2,7 +2,7 @@
 
 torch_mlu follows the torch.cuda API (devices, streams, events, memory statistics,
 ``default_generators``), so the base class delegates to ``torch.mlu``. What differs:
-the backend is ``cncl`` and float64 tensors are computed in float32 without an error,
+the backend is ``cncl``, profiling ranges go to ``torch.mlu.cnpx``, and float64 tensors are computed in float32 without an error,
 so float64 is reported as unsupported.
 
 Not run on Cambricon hardware by this project: tested against ``tests/fakes/fake_torch_mlu.py``.
@@ -30,7 +30,11 @@ class MluAccelerator(Accelerator):
         return False
 
     def range_push(self, msg: str) -> None:
-        pass
+        cnpx = getattr(self.module, "cnpx", None)  # Cambricon's NVTX counterpart
+        if cnpx is not None and hasattr(cnpx, "range_push"):
+            cnpx.range_push(msg)
 
     def range_pop(self) -> None:
-        pass
+        cnpx = getattr(self.module, "cnpx", None)
+        if cnpx is not None and hasattr(cnpx, "range_pop"):
+            cnpx.range_pop()
