@@ -1,0 +1,174 @@
+"""`portspeed run`: torchrun, except that every worker imports a portspeed adaptor first.
+
+A stock training script (Megatron-LM's ``pretrain_gpt.py``, a DeepSpeed script) must run
+unedited, so the adaptor cannot be imported by the script itself. ``portspeed run`` takes
+torchrun's own command line (it *is* torchrun's parser and launcher, with one option
+added) and starts each worker as ``python -m portspeed.launch_worker``, which imports the
+adaptor and then runs the script as ``__main__`` with the script's own ``sys.argv``.
+
+Options added to torchrun's:
+
+``--adaptor NAME``  ``megatron`` (default: ``portspeed.megatron_adaptor``), ``deepspeed``
+(``portspeed.deepspeed_adaptor``), ``none`` (no adaptor: plain torchrun through the same
+worker), or a dotted module name of your own (it must be importable by the workers).
+
+Limits: ``--no-python`` (the script is an executable, so no Python runs before it) and
+``--run-path`` (torchrun runs the script inside its own process) are refused with a
+message saying what to use instead. Everything else, elastic options included, is
+torchrun's and behaves as documented for torchrun.
+
+Example::
+
+    PYTHONPATH=$MEGATRON_LM_ROOT portspeed run --nproc-per-node 2 \\
+        $MEGATRON_LM_ROOT/pretrain_gpt.py --tensor-model-parallel-size 2 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import sys
+
+from .errors import PortspeedError
+
+__all__ = ["ADAPTORS", "LaunchError", "main", "build_parser", "resolve_adaptor", "worker_command"]
+
+log = logging.getLogger("portspeed.launch")
+
+#: short adaptor names -> module imported in every worker ("none": nothing)
+ADAPTORS: dict[str, str | None] = {
+    "megatron": "portspeed.megatron_adaptor",
+    "deepspeed": "portspeed.deepspeed_adaptor",
+    "none": None,
+}
+
+WORKER_MODULE = "portspeed.launch_worker"
+
+
+class LaunchError(PortspeedError, ValueError):
+    """`portspeed run` was given a command line it cannot launch."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """torchrun's parser, renamed, with ``--adaptor`` added (torchrun's options stay as they are)."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "portspeed run"
+    parser.description = (
+        "torchrun-compatible launcher: every worker imports a portspeed adaptor, then runs "
+        "TRAINING_SCRIPT unedited. All torchrun options are accepted."
+    )
+    parser.add_argument(
+        "--adaptor",
+        default="megatron",
+        metavar="NAME",
+        help="adaptor imported in every worker before the script: megatron (default), deepspeed, "
+        "none, or a dotted module name",
+    )
+    return parser
+
+
+def resolve_adaptor(name: str) -> str | None:
+    """The module to import for ``--adaptor name`` (None for 'none'); raise LaunchError if unknown."""
+    key = name.strip()
+    if key.lower() in ADAPTORS:
+        return ADAPTORS[key.lower()]
+    parts = key.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise LaunchError(
+            f"--adaptor {name!r} is neither a known adaptor ({', '.join(ADAPTORS)}) nor a dotted "
+            "module name such as 'mypackage.my_adaptor'"
+        )
+    return key
+
+
+def _check_adaptor_importable(module: str) -> None:
+    """Fail in the launcher, once, rather than in every worker, when the adaptor cannot be found."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a parent package is missing
+        spec = None
+    if spec is None:
+        raise LaunchError(
+            f"adaptor module {module!r} cannot be found by this Python ({sys.executable}); install "
+            "what provides it, put it on PYTHONPATH, or choose another with --adaptor "
+            f"({', '.join(ADAPTORS)})"
+        )
+
+
+def worker_command(args: argparse.Namespace, adaptor_module: str | None) -> None:
+    """Rewrite parsed torchrun arguments so each worker is ``python -m portspeed.launch_worker ...``."""
+    script, script_args = args.training_script, list(args.training_script_args)
+    worker_args = ["--adaptor", adaptor_module or "none"]
+    if args.module:
+        worker_args.append("--module")
+    worker_args += ["--", script, *script_args]
+    args.module = True
+    args.training_script = WORKER_MODULE
+    args.training_script_args = worker_args
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.no_python:
+        raise LaunchError(
+            "--no-python runs TRAINING_SCRIPT as an executable, so portspeed cannot import its "
+            "adaptor before it; run a Python script (drop --no-python), or launch with torchrun and "
+            "`import portspeed.megatron_adaptor` at the top of your own program"
+        )
+    if args.run_path:
+        raise LaunchError(
+            "--run-path runs the script inside torchrun's own process, which portspeed run does "
+            "not support; drop --run-path (each worker is a fresh Python that imports the adaptor "
+            "and then runs the script)"
+        )
+    script = args.training_script
+    if args.module:
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise LaunchError(
+                f"-m {script!r}: no such module for {sys.executable}; check the name and PYTHONPATH"
+            )
+    elif not os.path.isfile(script):
+        raise LaunchError(
+            f"training script {script!r} not found (working directory {os.getcwd()}); give the path "
+            "of a Python script, or -m MODULE"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``portspeed run``; returns the exit status (0, 1 worker failure, 2 usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)  # a missing TRAINING_SCRIPT is reported by argparse
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
+    try:
+        adaptor_module = resolve_adaptor(args.adaptor)
+        _validate(args)
+        if adaptor_module is not None:
+            _check_adaptor_importable(adaptor_module)
+    except LaunchError as exc:
+        print(f"portspeed run: error: {exc}", file=sys.stderr)
+        return 2
+    worker_command(args, adaptor_module)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        print(f"portspeed run: a worker failed:\n{exc.format_msg()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""`portspeed run`: torchrun's launcher with the adaptor imported in every worker before the script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from portspeed import launch
+
+TIMEOUT = 180  # seconds; a hung launch fails instead of hanging CI
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys
+    out = sys.argv[sys.argv.index("--out") + 1]
+    rank = int(os.environ["RANK"])
+    record = {
+        "rank": rank,
+        "world_size": int(os.environ["WORLD_SIZE"]),
+        "name": __name__,
+        "argv": sys.argv,
+        "path0": sys.path[0],
+        "adaptors": sorted(m for m in sys.modules if m.endswith("_adaptor")),
+        "marker": getattr(sys.modules.get("probe_pkg.probe_adaptor"), "IMPORTED_BEFORE_SCRIPT", None),
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    if "--fail-on-rank1" in sys.argv and rank == 1:
+        sys.exit(3)
+    """
+)
+
+
+def _env(extra_path: Path | None = None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _portspeed_run(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "portspeed.cli", "run", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+
+
+@pytest.fixture()
+def probe(tmp_path: Path) -> Path:
+    """A probe script plus a tiny adaptor package that marks itself imported."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    pkg = tmp_path / "probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "probe_adaptor.py").write_text("IMPORTED_BEFORE_SCRIPT = True\n")
+    (tmp_path / "out").mkdir()
+    return tmp_path
+
+
+@pytest.mark.multiproc
+def test_two_workers_import_the_adaptor_then_run_the_script_as_main(probe: Path) -> None:
+    """Each of 2 workers has the adaptor imported and sees the script's own argv, __main__ and folder."""
+    out = probe / "out"
+    res = _portspeed_run(
+        ["--nproc-per-node", "2", "--adaptor", "probe_pkg.probe_adaptor", "probe.py", "--out", str(out), "--x", "1"],
+        cwd=probe, env=_env(probe),
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, rec in enumerate(records):
+        assert rec["rank"] == r and rec["world_size"] == 2
+        assert rec["name"] == "__main__"
+        assert rec["marker"] is True, "the adaptor was not imported before the script ran"
+        assert rec["argv"][1:] == ["--out", str(out), "--x", "1"]
+        assert Path(rec["argv"][0]).name == "probe.py"
+        assert Path(rec["path0"]) == probe
+
+
+@pytest.mark.multiproc
+def test_default_adaptor_is_the_megatron_adaptor(probe: Path) -> None:
+    """Without --adaptor, workers import portspeed.megatron_adaptor."""
+    pytest.importorskip("megatron.core", reason="the Megatron adaptor needs megatron-core installed")
+    if not _importable(launch.resolve_adaptor("megatron") or ""):
+        pytest.skip("portspeed.megatron_adaptor is not part of this tree yet")
+    out = probe / "out"
+    res = _portspeed_run(["--nproc-per-node", "1", "probe.py", "--out", str(out)], cwd=probe, env=_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec = json.loads((out / "rank0.json").read_text())
+    assert "portspeed.megatron_adaptor" in rec["adaptors"]
+
+
+@pytest.mark.multiproc
+def test_a_failing_worker_fails_the_launch(probe: Path) -> None:
+    """A worker exiting non-zero makes `portspeed run` exit 1 and name the failure."""
+    out = probe / "out"
+    res = _portspeed_run(
+        ["--nproc-per-node", "2", "--adaptor", "none", "probe.py", "--out", str(out), "--fail-on-rank1"],
+        cwd=probe, env=_env(),
+    )
+    assert res.returncode == 1
+    assert "a worker failed" in res.stderr
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc-per-node", "2", "no_such_script.py"], "training script 'no_such_script.py' not found"),
+        (["--no-python", "probe.py"], "--no-python runs TRAINING_SCRIPT as an executable"),
+        (["--run-path", "probe.py"], "--run-path runs the script inside torchrun's own process"),
+        (["--adaptor", "bogus", "probe.py"], "--adaptor 'bogus' is neither a known adaptor"),
+        (["--adaptor", "no_such_pkg.adaptor", "probe.py"], "adaptor module 'no_such_pkg.adaptor' cannot be found"),
+        (["-m", "no_such_module_xyz"], "-m 'no_such_module_xyz': no such module"),
+    ],
+)
+def test_bad_command_lines_are_refused_with_a_reason(
+    probe: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bad input exits 2 before any worker starts, with a message naming the problem."""
+    monkeypatch.chdir(probe)
+    assert launch.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_script_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """No TRAINING_SCRIPT at all: argparse's usage error, exit 2."""
+    assert launch.main(["--nproc-per-node", "2"]) == 2
+    assert "training_script" in capsys.readouterr().err
+
+
+def test_worker_command_keeps_the_script_and_its_arguments() -> None:
+    """The rewrite hands the script, its args and -m mode to the worker, after '--'."""
+    args = launch.build_parser().parse_args(["--nproc-per-node", "2", "-m", "pkg.train", "--lr", "1"])
+    launch.worker_command(args, "portspeed.megatron_adaptor")
+    assert args.module is True and args.training_script == "portspeed.launch_worker"
+    assert args.training_script_args == ["--adaptor", "portspeed.megatron_adaptor", "--module", "--", "pkg.train",
+                                         "--lr", "1"]
