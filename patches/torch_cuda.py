@@ -1,0 +1,132 @@
+"""Tensor / Module device methods that name CUDA, translated for framework callers only.
+
+``x.cuda()``, ``x.to("cuda")``, ``module.cuda()`` and ``t.type() == 'torch.cuda.FloatTensor'``
+live on torch's classes, out of reach of the scoped torch view, so they are wrapped here.
+Each wrapper translates only when (a) the adapter is not CUDA (the ``when`` condition:
+on a CUDA adapter these patches are inactive), (b) the call names CUDA and (c) the
+caller is a framework module (see ``portspeed.translation.is_framework_module``). The
+caller's frame is looked at only after (a) and (b) hold, so the common path costs a type
+check per argument. Everything else gets torch's own behaviour, errors included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from portspeed.accelerator import Accelerator, get_accelerator
+from portspeed.patch import WRAP, Patch
+from portspeed.translation import caller_is_framework, names_cuda, translate_device
+
+__all__ = ["PATCHES", "cuda_type_string", "local_type_string"]
+
+
+def _not_cuda(acc: Accelerator) -> bool:
+    return acc.device_type != "cuda"
+
+
+def _translate_call(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Translated (args, kwargs) when any device argument names CUDA, else None (fast path)."""
+    hit = False
+    for a in args:
+        if names_cuda(a):
+            hit = True
+            break
+    d = kwargs.get("device")
+    if not hit and (d is None or not names_cuda(d)):
+        return None
+    new_args = tuple(translate_device(a) if names_cuda(a) else a for a in args)
+    if d is not None:
+        kwargs = dict(kwargs, device=translate_device(d))
+    return new_args, kwargs
+
+
+def _to(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Tensor.to / Module.to: a CUDA device from a framework caller goes to the adapter's device."""
+    if args or kwargs:
+        t = _translate_call(args, kwargs)
+        if t is not None and caller_is_framework(2):
+            return wrapped(*t[0], **t[1])
+    return wrapped(*args, **kwargs)
+
+
+def _index(device: Any) -> int | None:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return device
+    return torch.device(device).index
+
+
+def _tensor_cuda(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Tensor.cuda(device=None, non_blocking=False): from framework code, move to the adapter's device."""
+    if not caller_is_framework(2):
+        return wrapped(*args, **kwargs)
+    device = args[0] if args else kwargs.get("device")
+    non_blocking = args[1] if len(args) > 1 else kwargs.get("non_blocking", False)
+    target = get_accelerator().device(_index(device))
+    memory_format = kwargs.get("memory_format")
+    if memory_format is not None:
+        return instance.to(target, non_blocking=non_blocking, memory_format=memory_format)
+    return instance.to(target, non_blocking=non_blocking)
+
+
+def _module_cuda(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Module.cuda(device=None): from framework code, move parameters and buffers to the adapter's device."""
+    if not caller_is_framework(2):
+        return wrapped(*args, **kwargs)
+    device = args[0] if args else kwargs.get("device")
+    return instance.to(get_accelerator().device(_index(device)))
+
+
+def cuda_type_string(s: str) -> str:
+    """'torch.FloatTensor' or 'torch.npu.FloatTensor' -> 'torch.cuda.FloatTensor'."""
+    parts = s.split(".")
+    if len(parts) == 2 and parts[0] == "torch":
+        return f"torch.cuda.{parts[1]}"
+    if len(parts) == 3 and parts[0] == "torch":
+        return f"torch.cuda.{parts[2]}"
+    return s
+
+
+def local_type_string(s: str) -> str:
+    """'torch.cuda.FloatTensor' -> the adapter's spelling ('torch.FloatTensor' on CPU)."""
+    if not s.startswith("torch.cuda."):
+        return s
+    kind = s[len("torch.cuda."):]
+    dt = get_accelerator().device_type
+    return f"torch.{kind}" if dt == "cpu" else f"torch.{dt}.{kind}"
+
+
+def _tensor_type(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Tensor.type(): framework code compares against 'torch.cuda.*' strings; answer in CUDA spelling."""
+    if not args and not kwargs:
+        s = wrapped()
+        if caller_is_framework(2):
+            return cuda_type_string(s)
+        return s
+    dtype = args[0] if args else kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype.startswith("torch.cuda.") and caller_is_framework(2):
+        rest = args[1:] if args else ()
+        kw = {k: v for k, v in kwargs.items() if k != "dtype"}
+        return wrapped(local_type_string(dtype), *rest, **kw)
+    return wrapped(*args, **kwargs)
+
+
+_REASON_TO = "framework code moves tensors to 'cuda' devices; on another adapter they belong on its device"
+_COMMON = dict(kind=WRAP, distribution="torch", versions=">=2.6", when=_not_cuda)
+
+PATCHES: list[Patch] = [
+    Patch(name="torch.tensor_to", target="torch:Tensor.to", impl=_to, reason=_REASON_TO, **_COMMON),
+    Patch(name="torch.tensor_cuda", target="torch:Tensor.cuda", impl=_tensor_cuda,
+          reason="framework code calls tensor.cuda(); on another adapter the tensor goes to its device",
+          **_COMMON),
+    Patch(name="torch.module_to", target="torch.nn:Module.to", impl=_to, reason=_REASON_TO, **_COMMON),
+    Patch(name="torch.module_cuda", target="torch.nn:Module.cuda", impl=_module_cuda,
+          reason="framework code calls model.cuda(); on another adapter parameters go to its device",
+          **_COMMON),
+    Patch(name="torch.tensor_type", target="torch:Tensor.type", impl=_tensor_type,
+          reason="Megatron's optimizers assert grad.type() == 'torch.cuda.FloatTensor'; answer in CUDA spelling",
+          **_COMMON),
+]

@@ -1,0 +1,106 @@
+"""Import this (before or after Megatron: order does not matter) to run Megatron on the active adapter.
+
+Importing it
+- scopes the torch / torch.cuda translation onto Megatron's modules
+  (``portspeed.translation.enable``; nothing is translated on a CUDA adapter);
+- registers the torch_cuda patches, every Megatron patch (``portspeed.patches.megatron``)
+  and, when the collective router is installed, ``portspeed.patches.torch_distributed``,
+  into ``portspeed.manager()`` and applies them (lazily: a patch whose module is not
+  imported yet waits for its import).
+
+It never imports Megatron itself. ``portspeed.report()`` lists what was applied.
+
+Also here: ``open_loss_log``, a writer of the JSON loss record (``PORTSPEED_LOSS_LOG`` or an
+explicit path; format owned by ``portspeed.losslog``) that the compare tool reads::
+
+    {"meta": {"backend", "accelerator", "layout": {"tp", "pp", "dp", "vpp"}, "dtype", "versions"},
+     "iterations": [{"iteration": n, "lm_loss": x, "grad_norm": y, "skipped": false}]}
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+import portspeed
+from portspeed import config, translation
+from portspeed.accelerator import get_accelerator
+from portspeed.patch import Patch
+from portspeed.versions import distribution_version
+
+__all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "note_fallback", "open_loss_log"]
+
+log = logging.getLogger("portspeed.megatron")
+
+_fallbacks_noted: set[str] = set()
+
+
+def note_fallback(feature: str, reason: str) -> None:
+    """Log once per process that a CUDA-kernel default fell back to its torch path."""
+    if feature in _fallbacks_noted:
+        return
+    _fallbacks_noted.add(feature)
+    log.warning("portspeed: %s has no %s kernel; using the torch path (%s)",
+                feature, get_accelerator().name, reason)
+
+
+def megatron_patches() -> list[Patch]:
+    """torch_cuda + Megatron (+ router, when present) patches, in registration order."""
+    from portspeed.patches import torch_cuda
+    from portspeed.patches.megatron import all_patches
+
+    out: list[Patch] = list(torch_cuda.PATCHES)
+    try:
+        router = importlib.import_module("portspeed.patches.torch_distributed")
+    except ModuleNotFoundError as exc:
+        if exc.name != "portspeed.patches.torch_distributed":
+            raise
+        router = None
+    if router is not None and isinstance(getattr(router, "PATCHES", None), list):
+        out += router.PATCHES
+    out += all_patches()
+    return out
+
+
+def activate() -> None:
+    """Enable the scoped translation and register + apply the patch set (idempotent)."""
+    translation.enable()
+    mgr = portspeed.manager()
+    mgr.register(megatron_patches())
+    mgr.apply()
+
+
+def deactivate() -> None:
+    """Revert what ``activate`` did (tests)."""
+    portspeed.manager().revert()
+    translation.disable()
+
+
+def loss_record_meta(layout: dict[str, Any], dtype: str, backend: str | None = None) -> dict[str, Any]:
+    """The ``meta`` block of a loss record for this process (adapter, backend, versions)."""
+    acc = get_accelerator()
+    versions = {}
+    for d in ("torch", "megatron-core", "portspeed"):
+        v = distribution_version(d)
+        versions[d] = None if v is None else str(v)
+    return {
+        "backend": backend or acc.communication_backend,
+        "accelerator": acc.name,
+        "layout": {k: (None if layout.get(k) is None else int(layout[k])) for k in ("tp", "pp", "dp", "vpp")},
+        "dtype": dtype,
+        "versions": versions,
+    }
+
+
+def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend: str | None = None) -> Any:
+    """A ``portspeed.losslog.LossRecordWriter`` for ``path`` (or PORTSPEED_LOSS_LOG); None when neither is set."""
+    path = path or config.settings().loss_log
+    if not path:
+        return None
+    from portspeed.losslog import LossRecordWriter
+
+    return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend))
+
+
+activate()

@@ -1,0 +1,795 @@
+"""The scoped torch / torch.cuda translation seen by framework modules only.
+
+Contract
+- ``CudaView`` is a module-like object that answers the torch.cuda API Megatron and
+  DeepSpeed use from the active adapter (``get_accelerator()``). An attribute it does not
+  map raises ``UnsupportedCudaCallError`` naming the call, the caller's file:line and the
+  adapter.
+- ``TorchView`` is a module-like proxy of ``torch``: ``.cuda`` is the CudaView, tensor
+  factories and ``autocast`` translate CUDA device arguments to the adapter's device,
+  everything else is the real torch object (copied into the view's namespace, so an
+  attribute read costs what it costs on the real module).
+- ``enable()`` gives the views to *framework modules* (names under the prefixes in
+  ``framework_prefixes()``: ``megatron``, plus ``PORTSPEED_FRAMEWORK_MODULES`` and
+  ``add_framework_prefixes``): modules imported later get a ``__builtins__`` whose
+  ``__import__`` returns the views for ``torch`` / ``torch.cuda`` (installed before the
+  module body runs, so ``import torch`` and ``from torch.cuda import x`` bind the view);
+  modules already imported have their bindings rebound. ``disable()`` undoes both.
+  torch itself and every other library keep the real ``torch.cuda``.
+
+Limits: objects a framework module received from the real torch before ``enable()`` and
+stored elsewhere than its globals (closures, containers) keep the real object. On a CUDA
+adapter nothing is translated: ``enable()`` is a no-op.
+
+Example::
+
+    from portspeed import translation
+    translation.enable()           # megatron.* now sees torch.cuda answered by the adapter
+    translation.is_framework_module("megatron.core.utils")   # True
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import re
+import sys
+import threading
+import types
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .accelerator import get_accelerator
+from .errors import ConfigError, UnsupportedCudaCallError
+
+__all__ = [
+    "CudaView",
+    "TorchView",
+    "FRAMEWORK_ENV",
+    "add_framework_prefixes",
+    "bypassed",
+    "caller_is_framework",
+    "cuda_view",
+    "disable",
+    "enable",
+    "enabled",
+    "framework_prefixes",
+    "is_framework_module",
+    "names_cuda",
+    "torch_view",
+    "translate_device",
+]
+
+log = logging.getLogger("portspeed.translation")
+
+#: Environment variable naming extra framework module prefixes (comma-separated).
+FRAMEWORK_ENV = "PORTSPEED_FRAMEWORK_MODULES"
+_DEFAULT_PREFIXES = ("megatron",)
+_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+_REAL_TORCH = torch
+_REAL_CUDA = torch.cuda
+_DEVICE = torch.device
+
+
+# ---------------------------------------------------------------------- device translation
+def names_cuda(value: Any) -> bool:
+    """Whether ``value`` names a CUDA device the way torch accepts one ("cuda", "cuda:1", device, int)."""
+    t = type(value)
+    if t is str:
+        return value.startswith("cuda")
+    if t is _DEVICE:
+        return value.type == "cuda"
+    return t is int
+
+
+def translate_device(value: Any) -> Any:
+    """The adapter's device for a CUDA device argument; any other value is returned unchanged."""
+    t = type(value)
+    if t is str:
+        if not value.startswith("cuda"):
+            return value
+        dev = _DEVICE(value)
+        return get_accelerator().device(dev.index)
+    if t is _DEVICE:
+        if value.type != "cuda":
+            return value
+        return get_accelerator().device(value.index)
+    if t is int:
+        return get_accelerator().device(value)
+    return value
+
+
+def _device_index(device: Any) -> int | None:
+    """The index a torch.cuda-style ``device`` argument names (None: the current device)."""
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return None if device < 0 else device
+    if isinstance(device, str):
+        device = _DEVICE(device)
+    if isinstance(device, _DEVICE):
+        return device.index
+    raise TypeError(f"torch.cuda device argument must be an int, a str or a torch.device, not {type(device).__name__}")
+
+
+def _caller(depth: int = 2) -> str:
+    """file:line of the frame ``depth`` levels up (for error messages)."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:  # pragma: no cover - shallow stack
+        return "<unknown>"
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def _unsupported(call: str, where: str, hint: str = "") -> UnsupportedCudaCallError:
+    acc = get_accelerator()
+    return UnsupportedCudaCallError(
+        f"torch.cuda.{call} called from {where} has no translation for the {acc.name!r} adapter"
+        + (f" ({hint})" if hint else "")
+        + "; turn off the framework option that needs it, set PORTSPEED_DISABLE for the patch involved, "
+        "or report an issue naming this call"
+    )
+
+
+# ---------------------------------------------------------------------- torch.cuda view pieces
+class _Generators(Sequence):
+    """``torch.cuda.default_generators`` answered by the adapter (index -> generator)."""
+
+    def __getitem__(self, index: Any) -> torch.Generator:  # type: ignore[override]
+        if isinstance(index, slice):
+            return [get_accelerator().default_generator(i) for i in range(len(self))[index]]  # type: ignore[return-value]
+        return get_accelerator().default_generator(int(index))
+
+    def __len__(self) -> int:
+        return max(1, get_accelerator().device_count())
+
+
+class _DeviceProperties:
+    """What ``get_device_properties`` answers for a non-CUDA device: honest, CUDA-shaped fields."""
+
+    def __init__(self, index: int) -> None:
+        acc = get_accelerator()
+        self.name = f"portspeed {acc.name} device {index}"
+        self.total_memory = acc.total_memory(index)
+        self.major = 0
+        self.minor = 0
+        self.multi_processor_count = os.cpu_count() or 1
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+
+    def __repr__(self) -> str:
+        return f"_DeviceProperties(name={self.name!r}, total_memory={self.total_memory}, major=0, minor=0)"
+
+
+class _DeviceContext:
+    """``torch.cuda.device(i)``: make ``i`` current for a block, restore after."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = _device_index(device)
+        self.prev: int | None = None
+
+    def __enter__(self) -> "_DeviceContext":
+        acc = get_accelerator()
+        self.prev = acc.current_device()
+        if self.index is not None:
+            acc.set_device(self.index)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.prev is not None and self.index is not None:
+            get_accelerator().set_device(self.prev)
+
+
+def _autocast(device_type: Any = "cuda", *args: Any, **kwargs: Any) -> Any:
+    """torch.autocast with a CUDA device type mapped to the adapter's device type."""
+    if device_type == "cuda":
+        device_type = get_accelerator().device_type
+    return _REAL_TORCH.autocast(device_type, *args, **kwargs)
+
+
+def _cuda_autocast(*args: Any, **kwargs: Any) -> Any:
+    """torch.cuda.amp.autocast(...) / torch.cuda.autocast(...) on the adapter's device."""
+    return _REAL_TORCH.autocast(get_accelerator().device_type, *args, **kwargs)
+
+
+class _Namespace(types.ModuleType):
+    """A small module-like namespace (nvtx, amp, random, memory) whose unknown names raise clearly."""
+
+    def __init__(self, name: str, **attrs: Any) -> None:
+        super().__init__(name)
+        self.__dict__.update(attrs)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        short = self.__name__.removeprefix("torch.cuda.")
+        raise _unsupported(f"{short}.{attr}", _caller())
+
+
+class CudaView(types.ModuleType):
+    """torch.cuda as framework modules see it: each call answered by the active adapter.
+
+    Only names listed here exist; any other raises UnsupportedCudaCallError (an
+    AttributeError, so ``hasattr`` probes answer False).
+    """
+
+    #: torch.cuda names forwarded unchanged: type objects and exceptions that are device-neutral.
+    _FORWARD = ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor", "LongTensor", "IntTensor",
+                "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor", "OutOfMemoryError")
+    #: CUDA-only features with no translation; the error says so at the first touch.
+    _NO_TRANSLATION = {
+        "CUDAGraph": "CUDA graphs need CUDA; turn off cuda-graph options",
+        "graph": "CUDA graphs need CUDA; turn off cuda-graph options",
+        "graphs": "CUDA graphs need CUDA; turn off cuda-graph options",
+        "graph_pool_handle": "CUDA graphs need CUDA; turn off cuda-graph options",
+        "make_graphed_callables": "CUDA graphs need CUDA; turn off cuda-graph options",
+        "MemPool": "CUDA memory pools (nccl_ub, UVM) need CUDA",
+        "use_mem_pool": "CUDA memory pools (nccl_ub, UVM) need CUDA",
+        "ExternalStream": "external CUDA streams need CUDA",
+        "CUDAPluggableAllocator": "pluggable CUDA allocators need CUDA",
+    }
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda", "torch.cuda translated onto the active portspeed adapter")
+        for name in self._FORWARD:
+            if hasattr(_REAL_CUDA, name):
+                self.__dict__[name] = getattr(_REAL_CUDA, name)
+        self.default_generators = _Generators()
+        self.device = _DeviceContext
+        self._initialized = True
+        self.nvtx = _Namespace("torch.cuda.nvtx", range_push=self._range_push, range_pop=self._range_pop,
+                               range=self._range, mark=lambda msg: None)
+        amp = _Namespace(
+            "torch.cuda.amp",
+            autocast=_cuda_autocast,
+            custom_fwd=self._custom_fwd,
+            custom_bwd=self._custom_bwd,
+            GradScaler=lambda *a, **k: _REAL_TORCH.amp.GradScaler(get_accelerator().device_type, *a, **k),
+        )
+        self.amp = amp
+        self.random = _Namespace(
+            "torch.cuda.random", get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state,
+            manual_seed=self.manual_seed, manual_seed_all=self.manual_seed_all,
+            initial_seed=self.initial_seed, seed=self.seed, get_rng_state_all=self.get_rng_state_all,
+            set_rng_state_all=self.set_rng_state_all)
+        memory_names = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                        "reset_peak_memory_stats", "memory_stats", "empty_cache", "mem_get_info",
+                        "reset_max_memory_allocated")
+        self.memory = _Namespace("torch.cuda.memory", **{n: getattr(self, n) for n in memory_names})
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise _unsupported(attr, _caller(), self._NO_TRANSLATION.get(attr, ""))
+
+    def __repr__(self) -> str:
+        return f"<portspeed CudaView of torch.cuda on {get_accelerator().name!r}>"
+
+    # -- availability and devices ------------------------------------------------
+    @staticmethod
+    def is_available() -> bool:
+        """True: an accelerator (the adapter's) is there for the framework."""
+        return bool(get_accelerator().is_available())
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _lazy_init() -> None:
+        return None
+
+    @staticmethod
+    def _lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
+        """Run now: a CPU build's torch.cuda._lazy_call queues the callback forever (a silent no-op)."""
+        callable()
+
+    @staticmethod
+    def init() -> None:
+        return None
+
+    @staticmethod
+    def device_count() -> int:
+        return int(get_accelerator().device_count())
+
+    @staticmethod
+    def current_device() -> int:
+        return int(get_accelerator().current_device())
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        idx = _device_index(device)
+        if idx is not None:
+            get_accelerator().set_device(idx)
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        get_accelerator().synchronize(_device_index(device))
+
+    @staticmethod
+    def get_device_properties(device: Any = None) -> _DeviceProperties:
+        idx = _device_index(device)
+        return _DeviceProperties(get_accelerator().current_device() if idx is None else idx)
+
+    @staticmethod
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        """(0, 0): no CUDA compute capability, so capability-gated CUDA paths stay off."""
+        return (0, 0)
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        idx = _device_index(device)
+        return _DeviceProperties(get_accelerator().current_device() if idx is None else idx).name
+
+    @staticmethod
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return bool(get_accelerator().is_bf16_supported())
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        """False: nothing is ever being captured into a CUDA graph here."""
+        return False
+
+    # -- random number generation -------------------------------------------------
+    @staticmethod
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return get_accelerator().get_rng_state(_device_index(device))
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        get_accelerator().set_rng_state(new_state, _device_index(device))
+
+    @staticmethod
+    def get_rng_state_all() -> list[torch.Tensor]:
+        acc = get_accelerator()
+        return [acc.get_rng_state(i) for i in range(max(1, acc.device_count()))]
+
+    @staticmethod
+    def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
+        acc = get_accelerator()
+        for i, s in enumerate(new_states):
+            acc.set_rng_state(s, i)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        get_accelerator().manual_seed(int(seed))
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        get_accelerator().manual_seed_all(int(seed))
+
+    @staticmethod
+    def seed() -> None:
+        get_accelerator().default_generator().seed()
+
+    @staticmethod
+    def initial_seed() -> int:
+        return int(get_accelerator().initial_seed())
+
+    # -- streams and events ---------------------------------------------------------
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - mirrors torch.cuda
+        return get_accelerator().Stream(*args, **kwargs)
+
+    @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
+        return get_accelerator().Event(*args, **kwargs)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> Any:
+        return get_accelerator().current_stream(_device_index(device))
+
+    @staticmethod
+    def default_stream(device: Any = None) -> Any:
+        return get_accelerator().default_stream(_device_index(device))
+
+    @staticmethod
+    def stream(stream: Any) -> Any:
+        return get_accelerator().stream(stream)
+
+    @staticmethod
+    def set_stream(stream: Any) -> None:
+        """Streams of a device without streams are all the same ordered stream: nothing to switch."""
+        acc = get_accelerator()
+        fn = getattr(acc.module, "set_stream", None) if acc.device_type not in ("cpu",) else None
+        if fn is not None:
+            fn(stream)
+
+    # -- memory ------------------------------------------------------------------------
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return get_accelerator().memory_allocated(_device_index(device))
+
+    @staticmethod
+    def max_memory_allocated(device: Any = None) -> int:
+        return get_accelerator().max_memory_allocated(_device_index(device))
+
+    @staticmethod
+    def memory_reserved(device: Any = None) -> int:
+        return get_accelerator().memory_reserved(_device_index(device))
+
+    @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        return get_accelerator().max_memory_reserved(_device_index(device))
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        get_accelerator().reset_peak_memory_stats(_device_index(device))
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+
+    @staticmethod
+    def memory_stats(device: Any = None) -> dict[str, Any]:
+        return get_accelerator().memory_stats(_device_index(device))
+
+    @staticmethod
+    def empty_cache() -> None:
+        get_accelerator().empty_cache()
+
+    @staticmethod
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        acc = get_accelerator()
+        idx = _device_index(device)
+        total = acc.total_memory(idx)
+        return (max(0, total - acc.memory_allocated(idx)), total)
+
+    # -- profiling ranges and amp ----------------------------------------------------------
+    @staticmethod
+    def _range_push(msg: str) -> None:
+        get_accelerator().range_push(msg)
+
+    @staticmethod
+    def _range_pop() -> None:
+        get_accelerator().range_pop()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+        acc = get_accelerator()
+        acc.range_push(msg.format(*args, **kwargs) if (args or kwargs) else msg)
+        try:
+            yield
+        finally:
+            acc.range_pop()
+
+    @staticmethod
+    def _custom_fwd(fwd: Any = None, **kwargs: Any) -> Any:
+        kwargs.setdefault("device_type", get_accelerator().device_type)
+        return _REAL_TORCH.amp.custom_fwd(fwd, **kwargs) if fwd is not None else functools.partial(
+            _REAL_TORCH.amp.custom_fwd, **kwargs)
+
+    @staticmethod
+    def _custom_bwd(bwd: Any = None, **kwargs: Any) -> Any:
+        kwargs.setdefault("device_type", get_accelerator().device_type)
+        return _REAL_TORCH.amp.custom_bwd(bwd, **kwargs) if bwd is not None else functools.partial(
+            _REAL_TORCH.amp.custom_bwd, **kwargs)
+
+    autocast = staticmethod(_cuda_autocast)
+
+
+# ---------------------------------------------------------------------- torch view
+#: torch functions that take ``device=`` and so get a translating wrapper in the view.
+FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "rand", "randn", "randint",
+    "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+    "randint_like", "linspace", "logspace", "eye", "empty_strided", "scalar_tensor", "tril_indices",
+    "triu_indices", "normal", "frombuffer",
+)
+
+
+def _factory(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a torch factory so a CUDA ``device=`` lands on the adapter's device."""
+
+    @functools.wraps(fn)
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        d = kwargs.get("device")
+        if d is not None:
+            kwargs["device"] = translate_device(d)
+        return fn(*args, **kwargs)
+
+    factory.__portspeed_original__ = fn  # type: ignore[attr-defined]
+    return factory
+
+
+class TorchView(types.ModuleType):
+    """``torch`` as framework modules see it: the real namespace, with ``cuda`` and factories translated."""
+
+    def __init__(self, cuda: CudaView) -> None:
+        super().__init__("torch", _REAL_TORCH.__doc__)
+        self.__dict__.update(_REAL_TORCH.__dict__)
+        self.__dict__["__name__"] = "torch"
+        self.__dict__["__portspeed_view__"] = True
+        for name in FACTORIES:
+            fn = getattr(_REAL_TORCH, name, None)
+            if fn is not None:
+                self.__dict__[name] = _factory(fn)
+        self.__dict__["autocast"] = _autocast
+        self.__dict__["cuda"] = cuda
+
+    def __getattr__(self, attr: str) -> Any:
+        # names torch creates lazily (submodules imported later, deprecated aliases)
+        value = getattr(_REAL_TORCH, attr)
+        if attr != "cuda":
+            self.__dict__[attr] = value
+        return value
+
+    def __repr__(self) -> str:
+        return "<portspeed TorchView of torch>"
+
+
+_cuda_view: CudaView | None = None
+_torch_view: TorchView | None = None
+
+
+def cuda_view() -> CudaView:
+    """The process-wide CudaView."""
+    global _cuda_view
+    if _cuda_view is None:
+        _cuda_view = CudaView()
+    return _cuda_view
+
+
+def torch_view() -> TorchView:
+    """The process-wide TorchView (its ``cuda`` is ``cuda_view()``)."""
+    global _torch_view
+    if _torch_view is None:
+        _torch_view = TorchView(cuda_view())
+    return _torch_view
+
+
+# ---------------------------------------------------------------------- scoping
+_extra_prefixes: list[str] = []
+_lock = threading.RLock()
+_enabled = False
+_finder: "_ScopeFinder | None" = None
+_scoped_modules: dict[str, tuple[types.ModuleType, Any, dict[str, Any]]] = {}
+
+
+def _env_prefixes() -> tuple[str, ...]:
+    raw = os.environ.get(FRAMEWORK_ENV, "").strip()
+    if not raw:
+        return ()
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    bad = [n for n in names if not _PREFIX_RE.match(n)]
+    if bad:
+        raise ConfigError(
+            f"{FRAMEWORK_ENV} has invalid module names {bad}; give comma-separated importable module "
+            "prefixes such as 'megatron,my_project.models'"
+        )
+    return names
+
+
+def framework_prefixes() -> tuple[str, ...]:
+    """Module-name prefixes that see the translated torch (defaults, env var, API additions)."""
+    return tuple(dict.fromkeys(_DEFAULT_PREFIXES + _env_prefixes() + tuple(_extra_prefixes)))
+
+
+def add_framework_prefixes(*prefixes: str) -> None:
+    """Name more framework packages (e.g. ``"deepspeed"``); applies to modules already imported if enabled."""
+    for p in prefixes:
+        if not isinstance(p, str) or not _PREFIX_RE.match(p) or p == "torch" or p.startswith("torch."):
+            raise ConfigError(
+                f"framework prefix {p!r} is not an importable module name other than torch; "
+                "give a package name such as 'deepspeed'"
+            )
+    with _lock:
+        for p in prefixes:
+            if p not in _extra_prefixes:
+                _extra_prefixes.append(p)
+        if _enabled:
+            _scope_loaded()
+
+
+_prefix_cache: tuple[Any, tuple[str, ...], tuple[str, ...]] = (None, (), ())
+
+
+def _fast_prefixes() -> tuple[str, ...]:
+    """("megatron.", ...) for startswith checks, recomputed only when the sources change."""
+    global _prefix_cache
+    key = (os.environ.get(FRAMEWORK_ENV, ""), len(_extra_prefixes))
+    if _prefix_cache[0] != key:
+        prefixes = framework_prefixes()
+        _prefix_cache = (key, tuple(p + "." for p in prefixes), prefixes)
+    return _prefix_cache[1]
+
+
+def is_framework_module(name: str | None) -> bool:
+    """Whether module ``name`` is a framework module (gets the view)."""
+    if not name:
+        return False
+    if name.startswith(_fast_prefixes()):
+        return True
+    return name in _prefix_cache[2]
+
+
+def caller_is_framework(depth: int = 2) -> bool:
+    """Whether the code ``depth`` frames up (1: the caller of the function calling this) is a framework module."""
+    try:
+        g = sys._getframe(depth).f_globals
+    except ValueError:  # pragma: no cover - shallow stack
+        return False
+    return is_framework_module(g.get("__name__"))
+
+
+def _make_import(real_import: Callable[..., Any]) -> Callable[..., Any]:
+    def scoped_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
+        mod = real_import(name, globals, locals, fromlist, level)
+        if level == 0 and _enabled and (name == "torch" or name.startswith("torch.")):
+            if fromlist:
+                if name == "torch":
+                    return torch_view()
+                if name == "torch.cuda":
+                    return cuda_view()
+                return mod
+            return torch_view()
+        return mod
+
+    scoped_import.__portspeed_scoped__ = True  # type: ignore[attr-defined]
+    return scoped_import
+
+
+def _scoped_builtins() -> dict[str, Any]:
+    b = dict(builtins.__dict__)
+    b["__import__"] = _make_import(builtins.__import__)
+    return b
+
+
+_BUILTINS: dict[str, Any] | None = None
+
+
+class _ScopedLoader(importlib.abc.Loader):
+    """Delegates to the real loader; puts the scoped ``__builtins__`` in place before the body runs."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if _enabled and _BUILTINS is not None:
+            module.__dict__["__builtins__"] = _BUILTINS
+        self._loader.exec_module(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _ScopeFinder(importlib.abc.MetaPathFinder):
+    """Finds framework modules with the other finders and wraps their loader."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not is_framework_module(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ScopedLoader(spec.loader)
+                return spec
+        return None
+
+
+def _view_objects() -> dict[int, tuple[Any, Any]]:
+    """id(real object) -> (real, view object) for everything the views replace."""
+    tv, cv = torch_view(), cuda_view()
+    pairs: dict[int, tuple[Any, Any]] = {id(_REAL_TORCH): (_REAL_TORCH, tv), id(_REAL_CUDA): (_REAL_CUDA, cv)}
+    for name in FACTORIES + ("autocast",):
+        real = getattr(_REAL_TORCH, name, None)
+        if real is not None:
+            pairs[id(real)] = (real, tv.__dict__[name])
+    for name in ("_lazy_call", "_lazy_init", "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all",
+                 "initial_seed", "current_device", "device_count", "is_available", "synchronize", "set_device",
+                 "current_stream", "default_stream", "Stream", "Event", "stream", "empty_cache", "memory_stats",
+                 "memory_allocated", "max_memory_allocated", "nvtx", "device", "amp", "random",
+                 "get_device_properties", "get_device_capability", "is_bf16_supported"):
+        real = getattr(_REAL_CUDA, name, None)
+        if real is not None:
+            pairs[id(real)] = (real, getattr(cv, name))
+    return pairs
+
+
+def _scope_loaded() -> None:
+    """Give already-imported framework modules the views (rebinding globals), once each."""
+    pairs = None
+    for name, mod in list(sys.modules.items()):
+        if mod is None or name in _scoped_modules or not is_framework_module(name):
+            continue
+        ns = getattr(mod, "__dict__", None)
+        if not isinstance(ns, dict):
+            continue
+        if pairs is None:
+            pairs = _view_objects()
+        changed: dict[str, Any] = {}
+        for key, value in list(ns.items()):
+            hit = pairs.get(id(value))
+            if hit is not None and hit[0] is value:
+                changed[key] = value
+                ns[key] = hit[1]
+        _scoped_modules[name] = (mod, ns.get("__builtins__"), changed)
+        ns["__builtins__"] = _BUILTINS
+
+
+def _unscope_all() -> None:
+    for name, (mod, old_builtins, changed) in list(_scoped_modules.items()):
+        ns = mod.__dict__
+        for key, real in changed.items():
+            ns[key] = real
+        if old_builtins is None:
+            ns.pop("__builtins__", None)
+        else:
+            ns["__builtins__"] = old_builtins
+    _scoped_modules.clear()
+    # modules imported while enabled bound the views at import: put the real objects back
+    reverse = {id(v): (v, r) for r, v in _view_objects().values()}
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not is_framework_module(name):
+            continue
+        ns = getattr(mod, "__dict__", None)
+        if not isinstance(ns, dict):
+            continue
+        if ns.get("__builtins__") is _BUILTINS:
+            ns["__builtins__"] = builtins.__dict__
+        for key, value in list(ns.items()):
+            hit = reverse.get(id(value))
+            if hit is not None and hit[0] is value:
+                ns[key] = hit[1]
+
+
+def enable() -> bool:
+    """Scope the views onto framework modules (now and at later imports); False on a CUDA adapter."""
+    global _enabled, _finder, _BUILTINS
+    with _lock:
+        acc = get_accelerator()
+        if acc.device_type == "cuda":
+            log.debug("portspeed: adapter %r is CUDA; torch.cuda is not translated", acc.name)
+            return False
+        if _enabled:
+            _scope_loaded()
+            return True
+        _BUILTINS = _scoped_builtins()
+        _enabled = True
+        _finder = _ScopeFinder()
+        sys.meta_path.insert(0, _finder)
+        _scope_loaded()
+        return True
+
+
+def disable() -> None:
+    """Undo ``enable()``: remove the import hook and give framework modules the real torch back."""
+    global _enabled, _finder
+    with _lock:
+        if not _enabled:
+            return
+        if _finder is not None and _finder in sys.meta_path:
+            sys.meta_path.remove(_finder)
+        _finder = None
+        _unscope_all()
+        _enabled = False
+
+
+def enabled() -> bool:
+    """Whether the scoped translation is active."""
+    return _enabled
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Turn the translation off for a block (benchmarks' B side) and back on after, if it was on."""
+    was = _enabled
+    if was:
+        disable()
+    try:
+        yield
+    finally:
+        if was:
+            enable()
