@@ -1,0 +1,8 @@
+"""FAKE vendor modules for tests: stand-ins for hardware this project does not have.
+
+Nothing here talks to a device. Each ``fake_*`` module builds modules that expose the
+part of a vendor's API that portspeed's adapters call (the torch.cuda-like device module,
+the vendor package import names), backed by CPU generators and plain Python state, and
+installs them into ``sys.modules`` / ``torch`` only inside a ``with installed(...)`` block,
+removing them afterwards. They are named fake_* so that no one mistakes them for vendor code.
+"""

@@ -1,0 +1,407 @@
+"""One conformance suite over every built-in adapter: cpu for real, cuda when a GPU exists,
+each vendor adapter against its FAKE vendor module (tests/fakes).
+
+npu, mlu and musa are out-of-tree devices: their vendor packages rename torch's
+PrivateUse1 device so that ``torch.device('npu', 0)`` parses, which torch allows once
+per process. Their checks therefore run in one child process per vendor (the fake does
+the rename there, as the real package would), and each check's outcome is reported here
+as its own test. xpu and hpu are native torch device types and run in this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, fake_torch_xpu  # noqa: E402
+
+from portspeed import config  # noqa: E402
+from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
+from portspeed.capabilities import check_backend_name  # noqa: E402
+
+ADAPTERS = ("cpu", "cuda", "npu", "xpu", "mlu", "musa", "hpu")
+#: adapters whose fake needs a PrivateUse1 rename, so a process of their own
+IN_CHILD = ("npu", "mlu", "musa")
+FAKES: dict[str, Callable[..., Any]] = {
+    "npu": fake_torch_npu.installed,
+    "mlu": fake_torch_mlu.installed,
+    "musa": fake_torch_musa.installed,
+    "xpu": fake_torch_xpu.installed,
+    "hpu": fake_habana.installed,
+}
+
+
+def _expected(name: str) -> dict[str, Any]:
+    """What each adapter must report (with the fakes' default settings: bf16 on, fp64 props on)."""
+    cuda_bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    table = {
+        "cpu": dict(device_type="cpu", backend="gloo", bf16=True, fp16=True, fp64=True, verified=True),
+        "cuda": dict(device_type="cuda", backend="nccl", bf16=cuda_bf16, fp16=True, fp64=True, verified=False),
+        "npu": dict(device_type="npu", backend="hccl", bf16=True, fp16=True, fp64=False, verified=False),
+        # this CPU torch has no xccl and no oneccl bindings: the adapter names xccl and warns
+        "xpu": dict(device_type="xpu", backend="xccl", bf16=True, fp16=True, fp64=True, verified=False),
+        "mlu": dict(device_type="mlu", backend="cncl", bf16=True, fp16=True, fp64=False, verified=False),
+        "musa": dict(device_type="musa", backend="mccl", bf16=True, fp16=True, fp64=False, verified=False),
+        "hpu": dict(device_type="hpu", backend="hccl", bf16=True, fp16=True, fp64=False, verified=False),
+    }
+    return table[name]
+
+
+# ----------------------------------------------------------------------------- checks
+# Each check takes the adapter, the fake's state (None on real devices) and the expected
+# table row, and raises AssertionError on a violation.
+
+
+def _count(acc: Accelerator) -> int:
+    return acc.device_count()
+
+
+def check_identity(acc: Accelerator, state: Any, exp: dict) -> None:
+    assert acc.name in BUILTIN_ADAPTERS
+    assert acc.device_type == exp["device_type"]
+    d = acc.describe()
+    assert d["name"] == acc.name and d["device_type"] == acc.device_type
+    assert d["backend"] == acc.communication_backend
+    assert acc.verified_on_hardware is exp["verified"], "only adapters run on their hardware may claim it"
+
+
+def check_availability(acc: Accelerator, state: Any, exp: dict) -> None:
+    assert acc.is_available() is True
+
+
+def check_device_count(acc: Accelerator, state: Any, exp: dict) -> None:
+    n = acc.device_count()
+    assert isinstance(n, int) and n >= 1
+    if state is not None:
+        assert n == state.count
+
+
+def check_device_never_none(acc: Accelerator, state: Any, exp: dict) -> None:
+    for index in (None, 0, _count(acc) - 1):
+        d = acc.device(index)
+        assert d is not None, f"device({index}) returned None"
+        assert isinstance(d, torch.device) and d.type == acc.device_type
+        if acc.device_type != "cpu":
+            assert d.index == (acc.current_device() if index is None else index)
+
+
+def check_current_set_device(acc: Accelerator, state: Any, exp: dict) -> None:
+    last = _count(acc) - 1
+    try:
+        acc.set_device(last)
+        assert acc.current_device() == last
+        acc.set_device(torch.device(acc.device_type, 0))
+        assert acc.current_device() == 0
+        acc.set_device(f"{acc.device_type}:{last}")
+        assert acc.current_device() == last
+        if state is not None:
+            assert state.current == last, "set_device must reach the vendor module"
+    finally:
+        acc.set_device(0)
+
+
+def check_synchronize(acc: Accelerator, state: Any, exp: dict) -> None:
+    before = state.synchronized if state is not None else 0
+    assert acc.synchronize() is None
+    assert acc.synchronize(0) is None
+    if state is not None:
+        assert state.synchronized == before + 2, "synchronize must reach the vendor module"
+
+
+def _draw(g: torch.Generator) -> torch.Tensor:
+    return torch.rand(16, generator=g, device=g.device)
+
+
+def check_rng_roundtrip(acc: Accelerator, state: Any, exp: dict) -> None:
+    g = acc.default_generator()
+    assert isinstance(g, torch.Generator)
+    saved = acc.get_rng_state()
+    assert isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8
+    a = _draw(g)
+    assert not torch.equal(acc.get_rng_state(), saved), "drawing must advance the generator state"
+    acc.set_rng_state(saved)
+    assert torch.equal(_draw(g), a), "restoring the RNG state must replay the same numbers"
+
+
+def check_seed_determinism(acc: Accelerator, state: Any, exp: dict) -> None:
+    acc.manual_seed(1234)
+    a = _draw(acc.default_generator())
+    acc.manual_seed(1234)
+    assert torch.equal(_draw(acc.default_generator()), a)
+    assert acc.initial_seed() == 1234
+    acc.manual_seed(4321)
+    assert not torch.equal(_draw(acc.default_generator()), a)
+    acc.manual_seed_all(77)
+    for i in range(_count(acc)):
+        assert acc.default_generator(i).initial_seed() == 77
+
+
+def check_streams_events(acc: Accelerator, state: Any, exp: dict) -> None:
+    before = acc.current_stream()
+    assert acc.default_stream() is not None
+    s = acc.Stream()
+    with acc.stream(s):
+        assert acc.current_stream() == s
+    assert acc.current_stream() == before
+    with acc.stream(None):  # torch.cuda.stream(None) is a no-op context; every adapter must accept it
+        assert acc.current_stream() == before
+    s.wait_stream(acc.current_stream())
+    start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
+    start.record()
+    end.record()
+    end.synchronize()
+    assert isinstance(end.query(), bool)
+    ms = start.elapsed_time(end)
+    assert isinstance(ms, float) and ms >= 0.0
+
+
+def check_memory_stats(acc: Accelerator, state: Any, exp: dict) -> None:
+    values = {
+        f: getattr(acc, f)()
+        for f in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
+    }
+    for f, v in values.items():
+        assert isinstance(v, int) and v >= 0, f"{f}() returned {v!r}"
+    assert values["max_memory_allocated"] >= values["memory_allocated"]
+    assert isinstance(acc.memory_stats(), dict)
+    total = acc.total_memory()
+    assert isinstance(total, int) and total > 0
+    assert acc.empty_cache() is None
+    assert acc.reset_peak_memory_stats() is None
+    if state is not None:  # the adapter must report what the device runtime says, not a constant
+        base = acc.memory_allocated()
+        state.fake_allocate(4096)
+        assert acc.memory_allocated() == base + 4096
+        state.fake_free(4096)
+        assert acc.memory_allocated() == base
+        assert acc.max_memory_allocated() >= base + 4096
+        acc.reset_peak_memory_stats()
+        assert acc.max_memory_allocated() == base
+        assert total == state.total_memory
+
+
+def check_dtypes(acc: Accelerator, state: Any, exp: dict) -> None:
+    dtypes = acc.supported_dtypes()
+    assert all(isinstance(d, torch.dtype) for d in dtypes) and torch.float32 in dtypes
+    assert acc.is_bf16_supported() is exp["bf16"] and (torch.bfloat16 in dtypes) is exp["bf16"]
+    assert acc.is_fp16_supported() is exp["fp16"] and (torch.float16 in dtypes) is exp["fp16"]
+    assert acc.is_fp64_supported() is exp["fp64"] and (torch.float64 in dtypes) is exp["fp64"]
+
+
+def check_backend(acc: Accelerator, state: Any, exp: dict) -> None:
+    assert acc.communication_backend == exp["backend"]
+    check_backend_name(acc.communication_backend)
+    assert type(acc)(backend="gloo").communication_backend == "gloo", "PORTSPEED_BACKEND must override"
+
+
+def check_capabilities(acc: Accelerator, state: Any, exp: dict) -> None:
+    caps = acc.capabilities()
+    assert caps is not None
+    assert getattr(caps, "backend", acc.communication_backend) == acc.communication_backend
+
+
+def check_profiling_ranges(acc: Accelerator, state: Any, exp: dict) -> None:
+    acc.range_push("conformance")
+    acc.range_pop()
+    if hasattr(state, "ranges"):  # the mlu fake records cnpx calls
+        assert state.ranges == ["push:conformance", "pop"]
+
+
+CHECKS: tuple[Callable[[Accelerator, Any, dict], None], ...] = (
+    check_identity,
+    check_availability,
+    check_device_count,
+    check_device_never_none,
+    check_current_set_device,
+    check_synchronize,
+    check_rng_roundtrip,
+    check_seed_determinism,
+    check_streams_events,
+    check_memory_stats,
+    check_dtypes,
+    check_backend,
+    check_capabilities,
+    check_profiling_ranges,
+)
+
+
+# ----------------------------------------------------------------------------- running
+@contextlib.contextmanager
+def adapter_under_test(name: str, register_device: bool = False) -> Iterator[tuple[Accelerator, Any]]:
+    """The adapter ``name`` on its real device or inside its fake; yields (adapter, fake state or None)."""
+    cls = adapter_class(name)
+    if name not in FAKES:
+        if name == "cuda" and not torch.cuda.is_available():
+            pytest.skip("cuda adapter: no CUDA device on this machine (torch.cuda.is_available() is False)")
+        cls.load_vendor()
+        yield cls(), None
+        return
+    kwargs = {"register_device": True} if register_device else {}
+    with FAKES[name](**kwargs) as state:
+        cls.load_vendor()
+        yield cls(), state
+
+
+def _run_checks_here(name: str, register_device: bool) -> dict[str, str]:
+    """Run every check on adapter ``name``; {check name: 'ok' or the failure text}."""
+    out: dict[str, str] = {}
+    with adapter_under_test(name, register_device=register_device) as (acc, state):
+        for check in CHECKS:
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    check(acc, state, _expected(name))
+                out[check.__name__] = "ok"
+            except Exception:
+                out[check.__name__] = traceback.format_exc()
+    return out
+
+
+def _child_main(name: str) -> None:
+    """Entry of the child process for adapters whose fake renames PrivateUse1."""
+    print("PORTSPEED_CONFORMANCE " + json.dumps(_run_checks_here(name, register_device=True)))
+
+
+@functools.lru_cache(maxsize=None)
+def _child_results(name: str) -> dict[str, str]:
+    code = f"import sys; sys.path.insert(0, {str(_HERE)!r}); import test_adapters; test_adapters._child_main({name!r})"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTSPEED_ACCELERATOR": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=str(_HERE)
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("PORTSPEED_CONFORMANCE "):
+            return json.loads(line.split(" ", 1)[1])
+    raise AssertionError(f"conformance child for {name!r} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.fixture(autouse=True)
+def _clean_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for var in ("PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    config.reload()
+    yield
+    config.reload()
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_conformance(name: str, check: Callable[[Accelerator, Any, dict], None]) -> None:
+    """Every adapter passes every conformance check (vendors against their fakes)."""
+    if name in IN_CHILD:
+        result = _child_results(name)[check.__name__]
+        if result != "ok":
+            pytest.fail(f"{name} (in its child process): {result}")
+        return
+    with adapter_under_test(name) as (acc, state), torch.random.fork_rng(devices=[]):
+        check(acc, state, _expected(name))
+
+
+def test_every_builtin_adapter_is_covered() -> None:
+    """A new built-in adapter must join the conformance suite."""
+    assert set(ADAPTERS) == set(BUILTIN_ADAPTERS)
+
+
+# ----------------------------------------------------------------------------- the checks can fail
+class _BrokenCpu(adapter_class("cpu")):  # type: ignore[misc]
+    """A CPU adapter with the mistakes the suite exists to catch."""
+
+    def device(self, index: int | None = None) -> torch.device:
+        return None  # type: ignore[return-value]  # DeepSpeed's CPU accelerator does this
+
+    def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None:
+        pass  # forgets to restore
+
+    def is_bf16_supported(self) -> bool:
+        return False  # while supported_dtypes() below still lists bf16
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@pytest.mark.parametrize("check", [check_device_never_none, check_rng_roundtrip, check_dtypes], ids=lambda c: c.__name__)
+def test_checks_catch_a_broken_adapter(check: Callable[[Accelerator, Any, dict], None]) -> None:
+    """The conformance checks fail on an adapter that breaks their rule."""
+    with torch.random.fork_rng(devices=[]), pytest.raises(AssertionError):
+        check(_BrokenCpu(), None, _expected("cpu"))
+
+
+# ----------------------------------------------------------------------------- vendor specifics
+def test_xpu_backend_prefers_native_xccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xpu uses 'xccl' when torch.distributed has it, even with oneCCL bindings present."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: True)
+    with fake_torch_xpu.installed(oneccl=True):
+        assert adapter_class("xpu")().communication_backend == "xccl"
+
+
+def test_xpu_backend_falls_back_to_oneccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without native xccl, xpu uses oneCCL's 'ccl' when oneccl_bindings_for_pytorch imports."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: False)
+    with fake_torch_xpu.installed(oneccl=True):
+        assert adapter_class("xpu")().communication_backend == "ccl"
+
+
+def test_xpu_backend_without_either_warns(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With neither, xpu names 'xccl' and warns what to install."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: False)
+    with fake_torch_xpu.installed(oneccl=False), caplog.at_level(logging.WARNING, "portspeed"):
+        assert adapter_class("xpu")().communication_backend == "xccl"
+    assert "oneccl_bind_pt" in caplog.text
+
+
+def test_xpu_without_fp64_hardware() -> None:
+    """An Intel GPU whose properties say has_fp64=False does not list float64."""
+    with fake_torch_xpu.installed(has_fp64=False):
+        assert torch.float64 not in adapter_class("xpu")().supported_dtypes()
+
+
+def test_musa_build_without_bf16_query() -> None:
+    """A torch_musa build without is_bf16_supported() is taken as no bf16."""
+    with fake_torch_musa.installed(bf16=None):
+        acc = adapter_class("musa")()
+        assert acc.is_bf16_supported() is False and torch.bfloat16 not in acc.supported_dtypes()
+
+
+def test_hpu_first_generation_gaudi_has_no_fp16() -> None:
+    """hpu asks the bridge whether fp16 exists (first-generation Gaudi has none)."""
+    with fake_habana.installed(fp16=False):
+        assert torch.float16 not in adapter_class("hpu")().supported_dtypes()
+
+
+def test_npu_bf16_follows_the_device() -> None:
+    """npu reports bf16 from torch.npu.is_bf16_supported() (Ascend 910A has none)."""
+    with fake_torch_npu.installed(bf16=False):
+        assert adapter_class("npu")().is_bf16_supported() is False
+
+
+def test_fakes_leave_nothing_behind() -> None:
+    """After a fake's block, its modules and torch attributes are gone again."""
+    had_xpu = torch.xpu
+    for name, fake in FAKES.items():
+        with fake():
+            assert getattr(torch, name) is not None
+        if name == "xpu":
+            assert torch.xpu is had_xpu
+        else:
+            assert not hasattr(torch, name), name
+    assert not any(m.split(".")[0] in ("torch_npu", "torch_mlu", "torch_musa", "habana_frameworks") for m in sys.modules)
