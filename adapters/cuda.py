@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from portspeed.accelerator import Accelerator
+from portspeed.errors import MissingVendorPackageError
 
 __all__ = ["CudaAccelerator"]
 
@@ -21,6 +22,16 @@ class CudaAccelerator(Accelerator):
     name = "cuda"
     device_type = "cuda"
     backend = "nccl"
+
+    @classmethod
+    def load_vendor(cls) -> None:
+        """CUDA needs no extra package, but it does need a torch built with CUDA or ROCm."""
+        if not (torch.backends.cuda.is_built() or getattr(torch.version, "hip", None)):
+            raise MissingVendorPackageError(
+                f"the 'cuda' adapter needs a torch built with CUDA or ROCm, and torch {torch.__version__} "
+                "is a CPU-only build; install a CUDA wheel of torch (https://pytorch.org/get-started), "
+                "or pick another adapter with PORTSPEED_ACCELERATOR (see `portspeed info`)"
+            )
 
     @classmethod
     def detect(cls) -> bool:

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from portspeed.accelerator import Accelerator
+from portspeed.errors import MissingVendorPackageError
 
 __all__ = ["XpuAccelerator"]
 
@@ -51,8 +52,20 @@ class XpuAccelerator(Accelerator):
     device_type = "xpu"
     backend = "xccl"
     vendor_modules = ()
-    vendor_package = "torch (an XPU build: pip install torch --index-url https://download.pytorch.org/whl/xpu)"
+    vendor_package = "torch built for XPU (pip install torch --index-url https://download.pytorch.org/whl/xpu)"
     verified_on_hardware = False
+
+    @classmethod
+    def load_vendor(cls) -> None:
+        """XPU needs no extra package, but it does need a torch built with XPU support."""
+        xpu = getattr(torch, "xpu", None)
+        compiled = getattr(xpu, "_is_compiled", None)
+        if xpu is None or (compiled is not None and not compiled()):
+            raise MissingVendorPackageError(
+                f"the 'xpu' adapter needs a torch built with XPU support, and torch {torch.__version__} "
+                f"is not; install {cls.vendor_package}, or pick another adapter with PORTSPEED_ACCELERATOR "
+                "(see `portspeed info`)"
+            )
 
     @classmethod
     def detect(cls) -> bool:

@@ -31,7 +31,7 @@ import importlib_metadata
 import torch
 
 from . import config
-from .errors import MissingVendorPackageError, UnknownAcceleratorError
+from .errors import ConfigError, MissingVendorPackageError, UnknownAcceleratorError
 
 __all__ = [
     "Accelerator",
@@ -261,7 +261,8 @@ class Accelerator:
         """The capability table of this adapter's backend for the installed torch."""
         from .capabilities import capabilities_for
 
-        return capabilities_for(self.communication_backend)
+        # device_type separates backends sharing a name (hccl: Ascend on npu, Habana on hpu)
+        return capabilities_for(self.communication_backend, device_type=self.device_type)
 
     def describe(self) -> dict[str, Any]:
         """A summary for `portspeed info` and loss records."""
@@ -323,8 +324,12 @@ def _backend_override() -> str | None:
     if b is None:
         return None
     from .capabilities import check_backend_name
+    from .errors import UnknownBackendError
 
-    check_backend_name(b)
+    try:
+        check_backend_name(b)
+    except UnknownBackendError as exc:
+        raise ConfigError(f"PORTSPEED_BACKEND={b!r} is not usable: {exc}") from exc
     return b
 
 

@@ -33,6 +33,7 @@ def installed(
         return props
 
     devmod.get_device_properties = get_device_properties
+    devmod._is_compiled = lambda: True  # torch.xpu._is_compiled(): this torch was built with XPU
     mods = {"torch.xpu": devmod}
     if oneccl:
         mods["oneccl_bindings_for_pytorch"] = new_module(
