@@ -2,25 +2,36 @@
 
 Contract
 - ``register`` validates and stores patches; two replacements of one target raise
-  PatchConflictError naming both, a second patch with the same name but other content
-  raises, re-registering an identical patch is a no-op.
+  PatchConflictError naming both (unless one is blocked by PORTSPEED_DISABLE), a second
+  patch with the same name but other content raises, re-registering an identical patch
+  is a no-op. A failed ``register`` stores nothing.
 - ``apply`` gates each patch (PORTSPEED_DISABLE, distribution version range, condition on
   the accelerator), then installs it: at once when its module is already imported, else
-  from a post-import hook (wrapt) when the module is first imported. Applying twice
-  changes nothing.
+  from a post-import hook (wrapt) when the module is first imported. ``register`` and
+  ``apply`` never import a target module. Applying twice changes nothing.
 - Installing a target composes its chain: the replacement (or the original), then the
   wrappers by (order, registration). Names bound to the original or to a previous chain
-  elsewhere (``from x import f``, ``import x as y``, class attributes) are rebound and
-  recorded; revert restores them by identity.
-- ``revert`` restores every original object; ``scoped`` applies a set of patches inside a
-  ``with`` block only.
-- Skips (target missing, version out of range) and failures are recorded with reasons;
-  with PORTSPEED_STRICT=1 they raise PatchStrictError at apply time.
+  elsewhere (``from x import f``, ``from x import f as g``, class attributes) are rebound
+  and recorded; revert restores them by identity.
+- ``revert`` restores every original object, and also rebinds aliases taken after
+  patching back to the original; ``scoped`` applies a set of patches inside a ``with``
+  block only (restored on exit, exception or not). ``apply`` after ``revert`` works.
+- Skips (target missing, distribution missing or out of range) and failures (condition
+  raised, install raised) are recorded with reasons. With PORTSPEED_STRICT=1 they raise
+  PatchStrictError: from ``apply`` (or ``register`` on an active manager), or from the
+  ``import`` of a module whose patches fail. Either way nothing of that batch stays
+  installed: targets keep their originals, no hook stays pending for it, and the other
+  patches of the batch return to the status they had.
+- A ``when`` condition that is false makes a patch "inactive": not an error, strict or
+  not, because a condition is a declared decision (this patch is for another device),
+  not drift.
 
-Limits: references held in closures, default arguments and containers cannot be rebound;
-``report(deep=True)`` lists them (it walks the garbage collector's referrers, so it is
-not done on the hot path). Modules under ``portspeed`` are never rebound: patches keep
-references to originals on purpose.
+Limits: references held in closures, default arguments and containers cannot be rebound,
+nor can subclasses of a replaced class; ``report(deep=True)`` lists them (it walks the
+garbage collector's referrers, so it is not done on the hot path). Modules under
+``portspeed`` (and wrapt, importlib) are never rebound: patches keep references to
+originals on purpose. Rebinding matches by identity, so any module or class attribute
+holding the original object is rebound, whatever its name.
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import wrapt
 
 from . import config
 from .errors import PatchConflictError, PatchDefinitionError, PatchStrictError
-from .patch import REPLACE, WRAP, Patch
+from .patch import REPLACE, Patch
 from .versions import distribution_version
 
 __all__ = ["PatchManager", "PatchRecord", "STATUSES"]
@@ -63,6 +74,7 @@ class PatchRecord:
     detail: str = ""
 
     def as_dict(self) -> dict[str, Any]:
+        """The record as plain data (what `portspeed patches` prints)."""
         p = self.patch
         return {
             "name": p.name,
@@ -87,9 +99,18 @@ class _TargetState:
     had_own: bool  # the attribute lived in vars(owner), not inherited
     original_raw: Any  # what vars(owner)[attr] held (descriptor included)
     original_value: Any  # what getattr(owner, attr) returned
+    installed_raw: Any = _MISSING
     installed_value: Any = _MISSING
     chain: tuple[str, ...] = ()
     rebound: list[tuple[Any, str, str]] = dataclasses.field(default_factory=list)
+
+
+class _StrictViolation(Exception):
+    """Internal: a batch hit skipped/failed patches under PORTSPEED_STRICT=1."""
+
+    def __init__(self, records: list[PatchRecord]) -> None:
+        super().__init__()
+        self.records = records
 
 
 def _resolve(module: types.ModuleType, path: tuple[str, ...]) -> tuple[Any, str]:
@@ -119,7 +140,7 @@ def _raw(owner: Any, attr: str) -> tuple[Any, bool]:
     return getattr(owner, attr), True
 
 
-def _namespaces(modules: Iterable[types.ModuleType]) -> Iterator[tuple[Any, str]]:
+def _namespaces(modules: Iterable[Any]) -> Iterator[tuple[Any, str]]:
     """Module dicts and handles on the classes defined in them, each with a label."""
     for mod in modules:
         name = getattr(mod, "__name__", None)
@@ -152,11 +173,15 @@ class _ClassNamespace:
         setattr(self.cls, key, value)
 
 
-def _is_owner_slot(ns: Any, key: str, st: "_TargetState") -> bool:
+def _is_owner_slot(ns: Any, key: str, st: _TargetState) -> bool:
+    """True for the slot the target lives in, or (inherited target) where it is defined."""
     if key != st.attr:
         return False
     if isinstance(ns, _ClassNamespace):
-        return ns.cls is st.owner
+        if ns.cls is st.owner:
+            return True
+        # Patching Sub.method that Sub inherits must not rewrite Base.method.
+        return isinstance(st.owner, type) and ns.cls in st.owner.__mro__
     return ns is getattr(st.owner, "__dict__", None)
 
 
@@ -177,79 +202,96 @@ class PatchManager:
         """Add patches. Validates names and replacement conflicts before storing any."""
         patches = list(patches)
         with self._lock:
-            new: list[Patch] = []
-            names: dict[str, Patch] = {}
-            for p in patches:
-                if not isinstance(p, Patch):
-                    raise PatchDefinitionError(f"register() takes Patch records, got {type(p).__name__}")
-                known = self._records.get(p.name) or names.get(p.name)
-                if known is not None:
-                    other = known.patch if isinstance(known, PatchRecord) else known
-                    if other == p:
-                        continue
-                    raise PatchConflictError(
-                        f"two different patches are named {p.name!r} (targets {other.target} and {p.target}); "
-                        "patch names must be unique"
-                    )
-                names[p.name] = p
-                new.append(p)
-            replacements = {r.patch.target: r.patch for r in self._records.values()
-                            if r.patch.kind == REPLACE and r.status != "reverted"}
-            for p in new:
-                if p.kind == REPLACE:
-                    other = replacements.get(p.target)
-                    if other is not None:
-                        raise PatchConflictError(
-                            f"patches {other.name!r} and {p.name!r} both replace {p.target}; "
-                            "only one replacement per target is allowed: make one of them a wrapper, "
-                            "or disable one with PORTSPEED_DISABLE"
-                        )
-                    replacements[p.target] = p
+            new = self._validate_new(patches)
             for p in new:
                 self._seq += 1
                 self._records[p.name] = PatchRecord(p, self._seq)
             if self._active and new:
-                self._activate([self._records[p.name] for p in new])
+                try:
+                    self._activate([self._records[p.name] for p in new])
+                except BaseException:
+                    for p in new:
+                        self._records.pop(p.name, None)
+                    raise
+
+    def _validate_new(self, patches: list[Patch]) -> list[Patch]:
+        """The patches not yet registered; raises (storing nothing) on a name clash or a conflict."""
+        new: list[Patch] = []
+        names: dict[str, Patch] = {}
+        for p in patches:
+            if not isinstance(p, Patch):
+                raise PatchDefinitionError(f"register() takes Patch records, got {type(p).__name__}")
+            known = self._records.get(p.name)
+            other = known.patch if known is not None else names.get(p.name)
+            if other is not None:
+                if other == p:
+                    continue
+                raise PatchConflictError(
+                    f"two different patches are named {p.name!r} (targets {other.target} and {p.target}); "
+                    "patch names must be unique"
+                )
+            names[p.name] = p
+            new.append(p)
+        settings = config.settings()
+        replacements = {r.patch.target: r.patch for r in self._records.values()
+                        if r.patch.kind == REPLACE and not settings.is_disabled(r.patch.name)}
+        for p in new:
+            if p.kind == REPLACE and not settings.is_disabled(p.name):
+                other = replacements.get(p.target)
+                if other is not None:
+                    raise _conflict(other, p)
+                replacements[p.target] = p
+        return new
 
     # ------------------------------------------------------------------ apply / revert
     def apply(self) -> None:
         """Gate and install every registered patch; idempotent."""
         with self._lock:
+            was_active = self._active
             self._active = True
             todo = [r for r in self._records.values() if r.status in ("registered", "reverted")]
-            self._activate(todo)
+            try:
+                self._activate(todo)
+            except BaseException:
+                self._active = was_active
+                raise
 
     def revert(self) -> None:
         """Restore every original object (rebound aliases included) and forget pending hooks."""
         with self._lock:
             self._active = False
-            self._generation += 1
-            for target in reversed(list(self._targets)):
-                self._uninstall(target)
+            self._generation += 1  # hooks registered before this point do nothing when they fire
+            self._hooked_modules.clear()
+            self._uninstall_many(list(reversed(list(self._targets))))
             for r in self._records.values():
-                if r.status in ("applied", "pending", "failed", "skipped", "inactive", "disabled"):
+                if r.status != "registered":
                     r.status, r.detail = "reverted", ""
 
     @contextlib.contextmanager
     def scoped(self, patches: Iterable[Patch]) -> Iterator["PatchManager"]:
-        """Register and apply ``patches`` for the ``with`` block; remove them after."""
+        """Register and apply ``patches`` for the ``with`` block; remove them after (also on exception)."""
         patches = list(patches)
         with self._lock:
             was_active = self._active
-            self.register(patches)
+            added = [p.name for p in patches if p.name not in self._records]
+            self.register(patches)  # on an active manager this applies them too
             if not was_active:
                 self._active = True
-                self._activate([self._records[p.name] for p in patches])
+                try:
+                    self._activate([self._records[n] for n in added])
+                except BaseException:
+                    self._active = was_active
+                    for n in added:
+                        self._records.pop(n, None)
+                    raise
         try:
             yield self
         finally:
             with self._lock:
-                touched = {p.target for p in patches}
-                for p in patches:
-                    self._records.pop(p.name, None)
-                for target in touched:
-                    if target in self._targets:
-                        self._install(target)
+                touched = {self._records[n].patch.target for n in added}
+                for n in added:
+                    self._records.pop(n, None)
+                self._install_many([t for t in self._targets if t in touched], full_sweep=True)
                 self._active = was_active
 
     # ------------------------------------------------------------------ report
@@ -274,10 +316,37 @@ class PatchManager:
         return list(st.chain) if st else []
 
     def records(self) -> list[PatchRecord]:
+        """The records in registration order."""
         return sorted(self._records.values(), key=lambda r: r.seq)
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ gating
     def _activate(self, records: list[PatchRecord]) -> None:
+        """Gate ``records``, install those whose module is imported, hook the rest; all or nothing."""
+        before = {r.patch.name: (r.status, r.detail) for r in records}
+        new_targets: list[str] = []
+        try:
+            by_module = self._gate(records)
+            self._check_replacements(by_module)
+            ready = [m for m in by_module if m in sys.modules]
+            targets: list[str] = []
+            for m in ready:
+                targets += self._resolve_records(sys.modules[m], by_module[m], new_targets)
+            violations = [r for r in records if r.status in ("skipped", "failed")]
+            self._raise_if_strict(violations)
+            if targets:
+                self._install_many(targets, full_sweep=True)
+        except _StrictViolation as exc:
+            self._rollback(records, before, exc.records, new_targets)
+            raise self._strict_error(exc.records) from None
+        except BaseException:
+            self._rollback(records, before, [], new_targets)
+            raise
+        for m in by_module:
+            if m not in sys.modules:
+                self._hook(m)
+
+    def _gate(self, records: list[PatchRecord]) -> dict[str, list[PatchRecord]]:
+        """Set each record's status from the environment; group the survivors by module."""
         settings = config.settings()
         accelerator = None
         by_module: dict[str, list[PatchRecord]] = {}
@@ -289,14 +358,13 @@ class PatchManager:
             if p.distribution:
                 version = distribution_version(p.distribution)
                 if version is None:
-                    r.status, r.detail = "skipped", f"distribution {p.distribution!r} is not installed"
-                    self._strict(r)
+                    self._mark(r, "skipped", f"distribution {p.distribution!r} is not installed "
+                                             f"(needed by target {p.target})")
                     continue
                 if p.versions and version not in p.specifier:
-                    r.status = "skipped"
-                    r.detail = (f"{p.distribution} {version} is outside the range {p.versions!r} this patch "
-                                "is written for; check `portspeed info` for the supported versions")
-                    self._strict(r)
+                    self._mark(r, "skipped", f"{p.distribution} {version} is outside the range {p.versions!r} "
+                                             f"this patch of {p.target} is written for; check `portspeed info` "
+                                             "for the supported versions")
                     continue
             if p.when is not None:
                 if accelerator is None:
@@ -306,8 +374,7 @@ class PatchManager:
                 try:
                     ok = bool(p.when(accelerator))
                 except Exception as exc:  # a broken condition is a failed patch, not a silent skip
-                    r.status, r.detail = "failed", f"condition raised {type(exc).__name__}: {exc}"
-                    self._strict(r)
+                    self._mark(r, "failed", f"condition raised {type(exc).__name__}: {exc}")
                     continue
                 if not ok:
                     r.status = "inactive"
@@ -315,16 +382,33 @@ class PatchManager:
                     continue
             r.status, r.detail = "pending", f"waiting for `import {p.module}`"
             by_module.setdefault(p.module, []).append(r)
+        return by_module
 
-        ready = [m for m in by_module if m in sys.modules]
-        if ready:
-            targets = []
-            for m in ready:
-                targets += self._resolve_records(sys.modules[m], by_module[m])
-            self._install_many(targets, full_sweep=True)
-        for m in by_module:
-            if m not in sys.modules:
-                self._hook(m)
+    def _check_replacements(self, by_module: dict[str, list[PatchRecord]]) -> None:
+        """Two live replacements of one target (possible when PORTSPEED_DISABLE changed since register)."""
+        batch = [r for rs in by_module.values() for r in rs]
+        ids = {id(r) for r in batch}
+        live: dict[str, Patch] = {r.patch.target: r.patch for r in self._records.values()
+                                  if r.patch.kind == REPLACE and r.status in ("applied", "pending")
+                                  and id(r) not in ids}
+        for r in batch:
+            if r.patch.kind == REPLACE:
+                other = live.get(r.patch.target)
+                if other is not None:
+                    raise _conflict(other, r.patch)
+                live[r.patch.target] = r.patch
+
+    def _rollback(self, records: list[PatchRecord], before: dict[str, tuple[str, str]],
+                  keep: list[PatchRecord], new_targets: list[str]) -> None:
+        """Undo a batch's status changes (the violators keep theirs, for the report)."""
+        kept = {id(r) for r in keep}
+        for r in records:
+            if id(r) not in kept:
+                r.status, r.detail = before[r.patch.name]
+        for t in new_targets:
+            st = self._targets.get(t)
+            if st is not None and st.installed_value is _MISSING:
+                del self._targets[t]
 
     def _hook(self, module_name: str) -> None:
         if module_name in self._hooked_modules:
@@ -334,19 +418,30 @@ class PatchManager:
 
         def on_import(module: types.ModuleType) -> None:
             with self._lock:
-                if not self._active or self._generation != generation:
+                if self._generation != generation:
+                    return  # reverted since: a newer hook (if any) owns this module
+                if not self._active:
                     self._hooked_modules.discard(module_name)
-                    if self._active:  # reverted then re-applied: a fresh hook took over
-                        return
                     return
+                self._hooked_modules.discard(module_name)  # wrapt fires a hook once
                 pending = [r for r in self._records.values()
                            if r.status == "pending" and r.patch.module == module_name]
-                targets = self._resolve_records(module, pending)
-                self._install_many(targets, full_sweep=False, since=module_name)
+                before = {r.patch.name: ("registered", "") for r in pending}
+                new_targets: list[str] = []
+                try:
+                    targets = self._resolve_records(module, pending, new_targets)
+                    self._raise_if_strict([r for r in pending if r.status in ("skipped", "failed")])
+                    self._install_many(targets, full_sweep=False, since=module_name)
+                except _StrictViolation as exc:
+                    # The import fails (importlib drops the module); call apply() again to retry.
+                    self._rollback(pending, before, exc.records, new_targets)
+                    raise self._strict_error(exc.records) from None
 
         wrapt.register_post_import_hook(on_import, module_name)
 
-    def _resolve_records(self, module: types.ModuleType, records: list[PatchRecord]) -> list[str]:
+    def _resolve_records(self, module: types.ModuleType, records: list[PatchRecord],
+                         new_targets: list[str]) -> list[str]:
+        """Find each record's owner object; records whose target is missing become skipped."""
         targets: list[str] = []
         for r in records:
             p = r.patch
@@ -354,25 +449,38 @@ class PatchManager:
                 owner, attr = _resolve(module, p.attr_path)
             except AttributeError as exc:
                 version = distribution_version(p.distribution) if p.distribution else None
-                where = f" ({p.distribution} {version})" if version else ""
-                r.status = "skipped"
-                r.detail = (f"target {p.target} not found{where}: {exc}; the upstream code moved, "
-                            "so this patch needs updating for this version")
-                self._strict(r)
+                if version is not None:
+                    where = f" in {p.distribution} {version}"
+                elif p.distribution:
+                    where = f" ({p.distribution} version unknown)"
+                else:
+                    where = ""
+                self._mark(r, "skipped", f"target {p.target} not found{where}: {exc}; the upstream code "
+                                         "moved, so this patch needs updating for this version")
                 continue
-            if p.target not in self._targets:
+            st = self._targets.get(p.target)
+            if st is None or (st.installed_value is _MISSING and p.target not in targets):
+                # not installed now: (re)read the original, the module may have been reloaded
                 raw, own = _raw(owner, attr)
                 self._targets[p.target] = _TargetState(
                     target=p.target, owner=owner, attr=attr, had_own=own,
                     original_raw=raw, original_value=getattr(owner, attr))
+                new_targets.append(p.target)
             if p.target not in targets:
                 targets.append(p.target)
         return targets
 
-    def _active_patches(self, target: str) -> list[PatchRecord]:
-        rs = [r for r in self._records.values()
-              if r.patch.target == target and r.status in ("pending", "applied")]
-        return sorted(rs, key=lambda r: (r.patch.kind != REPLACE, r.patch.order, r.seq))
+    # ------------------------------------------------------------------ install / uninstall
+    def _live_by_target(self, targets: Iterable[str]) -> dict[str, list[PatchRecord]]:
+        """Pending/applied records of each target, in chain order (replacement first, then wrappers)."""
+        wanted = {t: [] for t in targets}  # type: dict[str, list[PatchRecord]]
+        for r in self._records.values():
+            rs = wanted.get(r.patch.target)
+            if rs is not None and r.status in ("pending", "applied"):
+                rs.append(r)
+        for rs in wanted.values():
+            rs.sort(key=lambda r: (r.patch.kind != REPLACE, r.patch.order, r.seq))
+        return wanted
 
     def _compose(self, st: _TargetState, records: list[PatchRecord]) -> tuple[Any, tuple[str, ...]]:
         raw = st.original_raw
@@ -390,140 +498,175 @@ class PatchManager:
                 chain = [f"replacement {p.name}"]
             else:
                 base = wrapt.FunctionWrapper(base, p.impl)
-                chain.append(f"wrapper {p.name}")
+                chain.append(f"wrapper {p.name} (order {p.order})")
         return base, tuple(chain)
 
     def _install_many(self, targets: list[str], full_sweep: bool, since: str | None = None) -> None:
-        """Install several targets, then rebind stale references in one sweep."""
+        """Install several targets, then rebind stale references in one sweep; all or nothing under strict."""
+        live = self._live_by_target(targets)
+        drop = [t for t in targets if not live[t]]
+        done: list[tuple[_TargetState, Any, Any, tuple[str, ...], list[PatchRecord]]] = []
+        failed: list[PatchRecord] = []
         replaced: dict[int, tuple[Any, _TargetState]] = {}
         for target in targets:
-            if not self._active_patches(target):
-                self._uninstall(target)
+            records = live[target]
+            if not records:
                 continue
-            result = self._set(target)
-            if result is not None:
-                for old in result[0]:
-                    replaced[id(old)] = (old, result[1])
+            st = self._targets[target]
+            snapshot = (st, st.installed_raw, st.installed_value, st.chain, records)
+            try:
+                new_raw, chain = self._compose(st, records)
+                setattr(st.owner, st.attr, new_raw)
+                new_value = getattr(st.owner, st.attr)
+            except Exception as exc:
+                for r in records:
+                    self._mark(r, "failed", f"installing on {target} raised {type(exc).__name__}: {exc}")
+                failed += records
+                continue
+            done.append(snapshot)
+            previous = st.installed_value
+            for r in records:
+                r.status, r.detail = "applied", ""
+            st.chain, st.installed_raw, st.installed_value = chain, new_raw, new_value
+            for old in (st.original_value, previous):
+                if old is not _MISSING and old is not None and old is not new_value:  # None: an empty slot, not a stale alias
+                    replaced[id(old)] = (old, st)
+        if failed and config.settings().strict:
+            for st, old_raw, old_value, old_chain, _ in reversed(done):
+                self._put_back(st, old_raw)
+                st.installed_raw, st.installed_value, st.chain = old_raw, old_value, old_chain
+            raise _StrictViolation(failed)
+        if drop:
+            self._uninstall_many(drop)
         if replaced:
             self._sweep(replaced, full_sweep=full_sweep, since=since)
 
-    def _install(self, target: str) -> None:
-        self._install_many([target], full_sweep=True)
-
-    def _set(self, target: str) -> tuple[list[Any], _TargetState] | None:
-        """Put the composed chain on the owner; return the objects whose aliases must be rebound."""
-        st = self._targets[target]
-        records = self._active_patches(target)
-        previous = st.installed_value
-        try:
-            new_raw, chain = self._compose(st, records)
-            setattr(st.owner, st.attr, new_raw)
-            new_value = getattr(st.owner, st.attr)
-        except Exception as exc:
-            for r in records:
-                r.status = "failed"
-                r.detail = f"installing on {target} raised {type(exc).__name__}: {exc}"
-                self._strict(r)
-            return None
-        for r in records:
-            r.status, r.detail = "applied", ""
-        st.chain = chain
-        olds = [st.original_value]
-        if previous is not _MISSING and previous is not st.original_value:
-            olds.append(previous)
-        st.installed_value = new_value
-        return [o for o in olds if o is not new_value], st
-
-    def _uninstall(self, target: str) -> None:
-        st = self._targets.get(target)
-        if st is None or st.installed_value is _MISSING:
-            return
-        installed = st.installed_value
-        if st.had_own:
+    def _put_back(self, st: _TargetState, raw: Any) -> None:
+        """Put ``raw`` (or the original when _MISSING) back on the owner."""
+        if raw is not _MISSING:
+            setattr(st.owner, st.attr, raw)
+        elif st.had_own:
             setattr(st.owner, st.attr, st.original_raw)
         elif st.attr in vars(st.owner):
             delattr(st.owner, st.attr)
-        for ns, key, _label in st.rebound:
-            if ns.get(key) is installed:
-                ns[key] = st.original_value
-        st.rebound.clear()
-        st.installed_value = _MISSING
-        st.chain = ()
-        # aliases taken after patching (from x import f, once patched) go back too
-        self._sweep({id(installed): (installed, st)}, full_sweep=True, since=None, restoring=True)
+
+    def _uninstall_many(self, targets: list[str]) -> None:
+        """Restore originals of ``targets`` and every alias of their installed chains, in one sweep."""
+        restored: dict[int, tuple[Any, _TargetState]] = {}
+        for target in targets:
+            st = self._targets.get(target)
+            if st is None or st.installed_value is _MISSING:
+                continue
+            installed = st.installed_value
+            self._put_back(st, _MISSING)
+            for ns, key, _label in st.rebound:
+                if ns.get(key) is installed:
+                    ns[key] = st.original_value
+            st.rebound.clear()
+            st.installed_raw = st.installed_value = _MISSING
+            st.chain = ()
+            restored[id(installed)] = (installed, st)
+        if restored:
+            # aliases taken after patching (`from x import f` once patched) go back too
+            self._sweep(restored, full_sweep=True, since=None, restoring=True)
 
     def _sweep(self, replaced: dict[int, tuple[Any, _TargetState]], full_sweep: bool,
                since: str | None, restoring: bool = False) -> None:
         """Rebind every module/class attribute that holds a replaced object."""
-        modules = list(sys.modules.values())
+        modules: list[Any] = list(sys.modules.values())
         if not full_sweep and since is not None:
+            # A module's own objects can only be bound by itself and by what it imported
+            # while running (later in sys.modules); modules that import it later bind after
+            # this hook ran, so they get the patched objects already.
             names = list(sys.modules)
-            try:
+            defined_here = all(getattr(old, "__module__", since) == since for old, _ in replaced.values())
+            if defined_here and since in sys.modules:
                 start = names.index(since)
-                defined_here = all(
-                    getattr(old, "__module__", since) == since for old, _ in replaced.values())
-                if defined_here:
-                    modules = [sys.modules[n] for n in names[start:]]
-            except ValueError:
-                pass
+                modules = [sys.modules[n] for n in names[start:]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # deprecated attributes warn when touched
             self._sweep_namespaces(modules, replaced, restoring)
 
-    def _sweep_namespaces(self, modules: list, replaced: dict[int, tuple[Any, _TargetState]],
+    def _sweep_namespaces(self, modules: list[Any], replaced: dict[int, tuple[Any, _TargetState]],
                           restoring: bool) -> None:
+        get = replaced.get
         for ns, label in _namespaces(modules):
-            for key, value in list(ns.items()):
-                hit = replaced.get(id(value))
-                if hit is None or hit[0] is not value:
+            hits = [(key, value) for key, value in ns.items() if get(id(value)) is not None]
+            for key, value in hits:
+                old, st = replaced[id(value)]
+                if old is not value or _is_owner_slot(ns, key, st):
                     continue
-                old, st = hit
-                if _is_owner_slot(ns, key, st):
+                new = st.original_value if restoring or st.installed_value is _MISSING else st.installed_value
+                try:
+                    ns[key] = new
+                except TypeError:  # immutable (C-defined) type: it cannot hold a stale alias we could fix
                     continue
-                new = st.original_value if restoring else st.installed_value
-                if new is _MISSING:
-                    new = st.original_value
-                ns[key] = new
                 if not restoring:
                     st.rebound.append((ns, key, f"{label}.{key}"))
 
+    # ------------------------------------------------------------------ diagnostics
     def _unrebindable(self, st: _TargetState) -> list[str]:
         """References to the original that no attribute rebinding reaches (closures, defaults, containers)."""
         found: list[str] = []
         original = st.original_value
-        ignore = {id(st), id(st.__dict__), id(self._targets)}
+        ignore = {id(st), id(self._targets)} | {id(vars(s)) for s in self._targets.values()}
         for ref in gc.get_referrers(original):
             if id(ref) in ignore or isinstance(ref, (types.FrameType, _TargetState)):
                 continue
             if isinstance(ref, dict):
                 if ref.get("__name__") and "__builtins__" in ref:
-                    continue  # module namespace: handled by rebinding (or the owner itself)
+                    continue  # module namespace: rebound already, or portspeed's own on purpose
                 if "__module__" in ref or "__qualname__" in ref:
-                    continue  # class namespace
-                found.append(f"dict container holding {st.attr}")
+                    continue  # class namespace: rebound (or the definition site)
+                kw = _functions_with(ref, "__kwdefaults__")
+                if kw:
+                    found += [f"keyword default of {f}" for f in kw]
+                else:
+                    found.append(f"dict container holding {st.attr}")
             elif isinstance(ref, types.CellType):
-                found.append(f"closure cell holding {st.attr}")
+                users = [f for t in gc.get_referrers(ref) if isinstance(t, tuple)
+                         for f in _functions_with(t, "__closure__")]
+                found.append(f"closure cell holding {st.attr}" + (f" (used by {', '.join(users)})" if users else ""))
             elif isinstance(ref, tuple):
-                owners = [f for f in gc.get_referrers(ref) if isinstance(f, types.FunctionType)
-                          and f.__defaults__ is ref]
+                if any(isinstance(t, type) and (t.__mro__ is ref or t.__bases__ is ref)
+                       for t in gc.get_referrers(ref)):
+                    continue  # a class's bases: listed as a subclass below
+                owners = _functions_with(ref, "__defaults__")
                 if owners:
-                    found += [f"default argument of {f.__module__}.{f.__qualname__}" for f in owners]
+                    found += [f"default argument of {f}" for f in owners]
                 else:
                     found.append(f"tuple container holding {st.attr}")
             elif isinstance(ref, (list, set)):
                 found.append(f"{type(ref).__name__} container holding {st.attr}")
-            elif isinstance(ref, type):
-                pass
         if isinstance(original, type):
             found += [f"subclass {c.__module__}.{c.__qualname__} (bases cannot be rebound)"
                       for c in original.__subclasses__()]
         return found
 
-    def _strict(self, r: PatchRecord) -> None:
-        if r.status in ("skipped", "failed"):
-            log.warning("portspeed patch %s %s: %s", r.patch.name, r.status, r.detail)
-            if config.settings().strict:
-                raise PatchStrictError(
-                    f"PORTSPEED_STRICT=1 and patch {r.patch.name!r} ({r.patch.target}) {r.status}: {r.detail}. "
-                    "Unset PORTSPEED_STRICT to continue without it, or PORTSPEED_DISABLE it on purpose."
-                )
+    def _mark(self, r: PatchRecord, status: str, detail: str) -> None:
+        r.status, r.detail = status, detail
+        log.warning("portspeed patch %s %s: %s", r.patch.name, status, detail)
+
+    def _raise_if_strict(self, violations: list[PatchRecord]) -> None:
+        if violations and config.settings().strict:
+            raise _StrictViolation(violations)
+
+    def _strict_error(self, violations: list[PatchRecord]) -> PatchStrictError:
+        what = "; ".join(f"{r.patch.name!r} ({r.patch.target}) {r.status}: {r.detail}" for r in violations)
+        return PatchStrictError(
+            f"PORTSPEED_STRICT=1 and {what}. Nothing of this batch was applied. Unset PORTSPEED_STRICT "
+            "to continue without it, or PORTSPEED_DISABLE it on purpose."
+        )
+
+
+def _functions_with(obj: Any, attr: str) -> list[str]:
+    """Names of the functions whose ``attr`` (``__defaults__``, ``__closure__``...) is ``obj``."""
+    return [f"{f.__module__}.{f.__qualname__}" for f in gc.get_referrers(obj)
+            if isinstance(f, types.FunctionType) and getattr(f, attr, None) is obj]
+
+
+def _conflict(first: Patch, second: Patch) -> PatchConflictError:
+    return PatchConflictError(
+        f"patches {first.name!r} and {second.name!r} both replace {first.target}; only one replacement "
+        "per target is allowed: make one of them a wrapper, or disable one with PORTSPEED_DISABLE"
+    )

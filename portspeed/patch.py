@@ -60,8 +60,13 @@ class Patch:
     order: int = 0
 
     def __post_init__(self) -> None:
-        if not self.name or not re.match(r"^[A-Za-z0-9_.\-]+$", self.name):
+        if not isinstance(self.name, str) or not re.match(r"^[A-Za-z0-9_.\-]+$", self.name):
             raise PatchDefinitionError(f"patch name {self.name!r} must be non-empty letters, digits, '.', '_', '-'")
+        if not isinstance(self.target, str):
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: target must be a string 'package.module:Attr.path', "
+                f"not {type(self.target).__name__}"
+            )
         module, sep, attr = self.target.partition(":")
         if not sep or not _MODULE.match(module) or not _MODULE.match(attr):
             raise PatchDefinitionError(
@@ -71,9 +76,28 @@ class Patch:
         if self.kind not in (REPLACE, WRAP):
             raise PatchDefinitionError(f"patch {self.name!r}: kind must be 'replace' or 'wrap', not {self.kind!r}")
         if not callable(self.impl) and self.kind == WRAP:
-            raise PatchDefinitionError(f"patch {self.name!r}: a wrap patch needs a callable wrapper")
-        if not self.reason or not self.reason.strip():
-            raise PatchDefinitionError(f"patch {self.name!r}: give one sentence of why it is needed")
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: a wrap patch needs a callable wrapper(wrapped, instance, args, kwargs), "
+                f"got {type(self.impl).__name__}"
+            )
+        if not isinstance(self.reason, str) or not self.reason.strip():
+            raise PatchDefinitionError(f"patch {self.name!r}: give one sentence of why it is needed (reason=...)")
+        if self.when is not None and not callable(self.when):
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: when must be a callable taking the accelerator, not {type(self.when).__name__}"
+            )
+        if isinstance(self.order, bool) or not isinstance(self.order, int):
+            raise PatchDefinitionError(f"patch {self.name!r}: order must be an int, not {self.order!r}")
+        if self.distribution is not None and (not isinstance(self.distribution, str) or not self.distribution.strip()):
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: distribution must be a distribution name such as 'megatron-core', "
+                f"not {self.distribution!r}"
+            )
+        if not isinstance(self.versions, str):
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: versions must be a PEP 440 specifier string such as '>=0.14,<0.17', "
+                f"not {self.versions!r}"
+            )
         if self.versions:
             if not self.distribution:
                 raise PatchDefinitionError(f"patch {self.name!r}: a version range needs a distribution name")
@@ -96,4 +120,5 @@ class Patch:
 
     @property
     def specifier(self) -> SpecifierSet:
+        """The version range as a SpecifierSet (pre-releases admitted: dev builds of Megatron are common)."""
         return SpecifierSet(self.versions, prereleases=True)
