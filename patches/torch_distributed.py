@@ -1,0 +1,78 @@
+"""torch.distributed entry points routed through ``portspeed.router``.
+
+Group creation maps the backend a framework asks for (``nccl``, ``cpu:gloo,cuda:nccl``)
+to the active adapter's backend; ``get_backend`` reports the requested name back to
+non-torch callers; the collectives that some backend's capability table lists gaps for
+are rewritten where the table says so and go straight through otherwise. Megatron and
+DeepSpeed both end in these functions, and ``torch.distributed.<name>`` (re-exported
+with ``from .distributed_c10d import *``) is rebound by the manager to the same chain.
+"""
+
+from __future__ import annotations
+
+from portspeed.patch import WRAP, Patch
+from portspeed import router
+
+__all__ = ["PATCHES"]
+
+_MOD = "torch.distributed.distributed_c10d"
+_TORCH = ">=2.6"
+
+_COLLECTIVE_REASONS = {
+    "all_reduce": "Gloo before torch 2.8 and vendor CCLs lack AVG/PREMUL_SUM or some dtypes; rewrite only those calls.",
+    "reduce": "Gloo before torch 2.8 and vendor CCLs lack AVG/PREMUL_SUM or some dtypes; rewrite only those calls.",
+    "reduce_scatter_tensor": "Gloo before torch 2.9 silently sums for AVG/MAX, which corrupts averaged gradients; "
+                             "rewrite those calls.",
+    "reduce_scatter": "Gloo has no list reduce_scatter before torch 2.8 and ignores the op on 2.8; rewrite those calls.",
+    "all_to_all": "Gloo has no list all_to_all before torch 2.12; send it through all_to_all_single.",
+}
+
+PATCHES: list[Patch] = [
+    Patch(
+        name="torch.distributed.init_process_group.backend",
+        target=f"{_MOD}:init_process_group",
+        kind=WRAP,
+        impl=router.wrap_init_process_group,
+        distribution="torch",
+        versions=_TORCH,
+        reason="Frameworks ask for nccl; create the default group on the active adapter's backend instead.",
+    ),
+    Patch(
+        name="torch.distributed.new_group.backend",
+        target=f"{_MOD}:new_group",
+        kind=WRAP,
+        impl=router.wrap_new_group,
+        distribution="torch",
+        versions=_TORCH,
+        reason="Megatron and DeepSpeed create sub-groups with backend='nccl'; map them to the adapter's backend.",
+    ),
+    Patch(
+        name="torch.distributed.get_backend.requested",
+        target=f"{_MOD}:get_backend",
+        kind=WRAP,
+        impl=router.wrap_get_backend,
+        distribution="torch",
+        versions=_TORCH,
+        reason="Code that tests get_backend() == 'nccl' must keep its path after the group was mapped to another backend.",
+    ),
+    Patch(
+        name="torch.distributed.destroy_process_group.forget",
+        target=f"{_MOD}:destroy_process_group",
+        kind=WRAP,
+        impl=router.wrap_destroy_process_group,
+        distribution="torch",
+        versions=_TORCH,
+        reason="Destroyed groups must drop out of the router's capability cache and name map.",
+    ),
+] + [
+    Patch(
+        name=f"torch.distributed.{fn}.route",
+        target=f"{_MOD}:{fn}",
+        kind=WRAP,
+        impl=router.COLLECTIVE_WRAPPERS[fn],
+        distribution="torch",
+        versions=_TORCH,
+        reason=_COLLECTIVE_REASONS[fn],
+    )
+    for fn in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_to_all")
+]
