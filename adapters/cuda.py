@@ -22,6 +22,7 @@ class CudaAccelerator(Accelerator):
     name = "cuda"
     device_type = "cuda"
     backend = "nccl"
+    vendor_package = "torch (CUDA or ROCm build)"
 
     @classmethod
     def load_vendor(cls) -> None:

@@ -52,7 +52,7 @@ class XpuAccelerator(Accelerator):
     device_type = "xpu"
     backend = "xccl"
     vendor_modules = ()
-    vendor_package = "torch built for XPU (pip install torch --index-url https://download.pytorch.org/whl/xpu)"
+    vendor_package = "torch (XPU build)"
     verified_on_hardware = False
 
     @classmethod
@@ -63,8 +63,8 @@ class XpuAccelerator(Accelerator):
         if xpu is None or (compiled is not None and not compiled()):
             raise MissingVendorPackageError(
                 f"the 'xpu' adapter needs a torch built with XPU support, and torch {torch.__version__} "
-                f"is not; install {cls.vendor_package}, or pick another adapter with PORTSPEED_ACCELERATOR "
-                "(see `portspeed info`)"
+                "is not; install one (pip install torch --index-url https://download.pytorch.org/whl/xpu), "
+                "or pick another adapter with PORTSPEED_ACCELERATOR (see `portspeed info`)"
             )
 
     @classmethod

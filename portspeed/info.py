@@ -1,0 +1,266 @@
+"""`portspeed info`: what this machine would run, before anything is run.
+
+Reports, like DeepSpeed's ``ds_report``:
+- versions of torch, megatron-core, deepspeed and portspeed's own dependencies (from
+  distribution metadata: nothing is imported to read a version);
+- every adapter (built-in and entry-point): vendor package installed, device available,
+  and which one is selected and why (``selection_reason()``);
+- the selected backend's capability gaps on the installed torch (what the collective
+  router will rewrite);
+- each patch set (torch_cuda, torch_distributed, megatron, deepspeed) with every patch's
+  gate evaluated here: would apply, gated out by its distribution version, disabled by
+  PORTSPEED_DISABLE, or inactive on this adapter. Gates are read from the Patch records
+  and distribution metadata; Megatron and DeepSpeed are not imported.
+
+``--json`` prints the same as one JSON object. Exit status: 0, or 1 when the settings
+are invalid or no adapter can be selected (the report says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+from typing import Any, Callable
+
+from . import __version__, config
+from .accelerator import adapter_class, available_adapters, get_accelerator, selection_reason
+from .errors import PortspeedError
+from .versions import distribution_version
+
+__all__ = ["PATCH_SETS", "VERSIONED", "collect", "evaluate_gate", "main"]
+
+#: Distributions whose versions are reported.
+VERSIONED = ("torch", "megatron-core", "deepspeed", "wrapt", "packaging", "importlib-metadata", "numpy")
+
+#: Patch sets: name -> (module, attribute holding the list or a function returning it).
+PATCH_SETS: dict[str, tuple[str, str]] = {
+    "torch_cuda": ("portspeed.patches.torch_cuda", "PATCHES"),
+    "torch_distributed": ("portspeed.patches.torch_distributed", "PATCHES"),
+    "megatron": ("portspeed.patches.megatron", "all_patches"),
+    "deepspeed": ("portspeed.patches.deepspeed", "PATCHES"),
+}
+
+_FRAMEWORKS = ("megatron", "deepspeed")
+
+
+def _version(name: str) -> str:
+    v = distribution_version(name)
+    return str(v) if v is not None else "not installed"
+
+
+def _package_loads(cls: Any) -> bool:
+    """Whether the adapter's vendor package (or torch build) is there: cheap check, then the import."""
+    if not cls.vendor_installed():
+        return False
+    try:
+        cls.load_vendor()
+    except Exception:
+        return False
+    return True
+
+
+def _adapters(selected: str | None) -> list[dict[str, Any]]:
+    rows = []
+    for name in available_adapters():
+        row: dict[str, Any] = {"name": name, "selected": name == selected}
+        try:
+            cls = adapter_class(name)
+        except Exception as exc:  # a broken entry point is reported, not fatal
+            row.update(error=f"{type(exc).__name__}: {exc}")
+            rows.append(row)
+            continue
+        installed = _package_loads(cls)
+        row.update(
+            vendor_package=cls.vendor_package,
+            package_installed=installed,
+            available=bool(installed and cls.detect()),
+            backend=cls.backend,
+            verified_on_hardware=cls.verified_on_hardware,
+        )
+        rows.append(row)
+    return rows
+
+
+def _capabilities(acc: Any) -> dict[str, Any]:
+    """The backend's gaps, read defensively: capabilities.py is still growing."""
+    out: dict[str, Any] = {"backend": acc.communication_backend}
+    try:
+        caps = acc.capabilities()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    describe = getattr(caps, "describe", None)
+    gaps = describe() if callable(describe) else [{"collective": c} for c in sorted(getattr(caps, "missing", ()))]
+    out["torch_version"] = getattr(caps, "torch_version", "")
+    out["gaps"] = list(gaps)
+    out["notes"] = list(getattr(caps, "notes", ()))
+    return out
+
+
+def evaluate_gate(patch: Any, settings: config.Settings, acc: Any) -> tuple[str, str]:
+    """(state, why) for one Patch, without importing its target: the checks the manager makes first."""
+    if settings.is_disabled(patch.name):
+        return "disabled", "blocked by PORTSPEED_DISABLE"
+    if patch.distribution:
+        version = distribution_version(patch.distribution)
+        if version is None:
+            return "gated out", f"{patch.distribution} is not installed"
+        if patch.versions and version not in patch.specifier:
+            return "gated out", f"{patch.distribution} {version} is outside {patch.versions!r}"
+    if patch.when is not None:
+        if acc is None:
+            return "unknown", "has a condition on the adapter, and no adapter could be selected"
+        try:
+            ok = bool(patch.when(acc))
+        except Exception as exc:
+            return "failed", f"condition raised {type(exc).__name__}: {exc}"
+        if not ok:
+            return "inactive", f"condition false on adapter {acc.name!r}"
+    if patch.distribution:
+        return "applies", f"{patch.distribution} {distribution_version(patch.distribution)} in {patch.versions or 'any'!r}"
+    return "applies", "no version gate"
+
+
+def _load_set(module: str, attr: str) -> list[Any]:
+    mod = importlib.import_module(module)
+    value = getattr(mod, attr)
+    return list(value() if callable(value) else value)
+
+
+def _patch_sets(settings: config.Settings, acc: Any) -> list[dict[str, Any]]:
+    out = []
+    for set_name, (module, attr) in PATCH_SETS.items():
+        entry: dict[str, Any] = {"name": set_name, "source": f"{module}:{attr}"}
+        before = {f for f in _FRAMEWORKS if f in sys.modules}
+        try:
+            patches = _load_set(module, attr)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                entry["error"] = f"ModuleNotFoundError: {exc}"
+            else:
+                entry["error"] = "not present in this portspeed"
+            out.append(entry)
+            continue
+        except Exception as exc:
+            entry["error"] = f"could not load: {type(exc).__name__}: {exc}"
+            out.append(entry)
+            continue
+        imported = sorted({f for f in _FRAMEWORKS if f in sys.modules} - before)
+        if imported:
+            entry["warning"] = f"loading this patch set imported {', '.join(imported)} (a patch module imports it at top level)"
+        rows = []
+        for p in patches:
+            state, why = evaluate_gate(p, settings, acc)
+            rows.append({"name": p.name, "target": p.target, "kind": p.kind, "distribution": p.distribution,
+                         "versions": p.versions, "state": state, "detail": why})
+        entry["patches"] = rows
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r["state"]] = counts.get(r["state"], 0) + 1
+        entry["counts"] = counts
+        out.append(entry)
+    return out
+
+
+def collect() -> dict[str, Any]:
+    """Everything `portspeed info` reports, as plain data."""
+    report: dict[str, Any] = {
+        "portspeed": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {name: _version(name) for name in VERSIONED},
+        "ok": True,
+    }
+    try:
+        settings = config.settings()
+    except PortspeedError as exc:
+        report.update(ok=False, settings_error=str(exc))
+        settings = config.Settings()
+    acc = None
+    if report["ok"]:
+        try:
+            acc = get_accelerator()
+            report["selected"] = {**acc.describe(), "reason": selection_reason()}
+        except PortspeedError as exc:
+            report.update(ok=False, selected={"error": f"{type(exc).__name__}: {exc}"})
+    report["adapters"] = _adapters(acc.name if acc is not None else None)
+    if acc is not None:
+        report["capabilities"] = _capabilities(acc)
+    report["patch_sets"] = _patch_sets(settings, acc)
+    return report
+
+
+# ----------------------------------------------------------------------------- text output
+def _yn(v: Any) -> str:
+    return "yes" if v else "no"
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable report."""
+    out = [f"portspeed {report['portspeed']}  (python {report['python']}, {report['platform']})", "", "versions:"]
+    out += _table([[k, v] for k, v in report["versions"].items()])
+    if "settings_error" in report:
+        out += ["", f"SETTINGS ERROR: {report['settings_error']}"]
+    out += ["", "adapters:"]
+    rows = [["name", "package", "installed", "available", "backend", "verified", "selected"]]
+    for a in report["adapters"]:
+        if "error" in a:
+            rows.append([a["name"], "-", "-", "-", "-", "-", f"ERROR {a['error']}"])
+            continue
+        sel = report.get("selected", {})
+        rows.append([
+            a["name"], a["vendor_package"] or "-", _yn(a["package_installed"]), _yn(a["available"]),
+            a["backend"], _yn(a["verified_on_hardware"]), f"* {sel.get('reason', '')}" if a["selected"] else "",
+        ])
+    out += _table(rows)
+    sel = report.get("selected")
+    if sel and "error" in sel:
+        out += ["", f"SELECTION ERROR: {sel['error']}"]
+    caps = report.get("capabilities")
+    if caps:
+        out += ["", f"backend {caps['backend']!r} on torch {caps.get('torch_version', '?')}:"]
+        if "error" in caps:
+            out.append(f"  capabilities unavailable: {caps['error']}")
+        elif not caps.get("gaps"):
+            out.append("  no known capability gaps")
+        else:
+            out.append("  capability gaps (the collective router rewrites these):")
+            out += _table([[g.get("collective", ""), g.get("op", "any"), g.get("dtype", "any"),
+                            g.get("effect", ""), g.get("note", "")] for g in caps["gaps"]], indent="    ")
+        for n in caps.get("notes", []):
+            out.append(f"  note: {n}")
+    out += ["", "patch sets:"]
+    for s in report["patch_sets"]:
+        if "error" in s:
+            out.append(f"  {s['name']}: {s['error']}")
+            continue
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(s["counts"].items())) or "empty"
+        out.append(f"  {s['name']} ({len(s['patches'])} patches: {counts})")
+        if "warning" in s:
+            out.append(f"    WARNING: {s['warning']}")
+        if s["patches"]:
+            out += _table([[p["name"], p["state"], p["detail"]] for p in s["patches"]], indent="    ")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`portspeed info [--json]`."""
+    parser = argparse.ArgumentParser(prog="portspeed info", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    args = parser.parse_args(argv)
+    report = collect()
+    writer: Callable[[str], Any] = sys.stdout.write
+    writer(json.dumps(report, indent=2, default=str) + "\n" if args.json else render(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
