@@ -155,7 +155,7 @@ def _expand_matrix(m: Any, where: str, common_env: dict[str, str], timeout: floa
         raise SpecError(f"{where}.axes must map each axis name to a non-empty list of values")
     command = _str_list(m["command"], f"{where}.command")
     env = {**common_env, **_env(m.get("env"), f"{where}.env")}
-    name_t = m.get("name") or "-".join("{%s}" % a for a in axes if not isinstance(axes[a][0], Mapping)) or "run"
+    name_t = m.get("name")
     out = []
     for combo in itertools.product(*axes.values()):
         values: dict[str, Any] = {}
@@ -164,9 +164,10 @@ def _expand_matrix(m: Any, where: str, common_env: dict[str, str], timeout: floa
                 values.update(v)
             else:
                 values[axis] = v
-        name = _fill(str(name_t), values, f"{where}.name", allow_runtime=False)
-        if name_t == "run":
-            name = f"run{len(out)}"
+        if name_t:
+            name = _fill(str(name_t), values, f"{where}.name", allow_runtime=False)
+        else:  # default: every value, e.g. "backend=gloo,tp=2"
+            name = ",".join(f"{k}={v}" for k, v in values.items())
         out.append(RunSpec(name, command, env, values, _timeout(m.get("timeout"), f"{where}.timeout", timeout),
                            m.get("cwd", cwd), None))
     return out
