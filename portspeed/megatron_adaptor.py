@@ -66,6 +66,9 @@ def megatron_patches() -> list[Patch]:
 def activate() -> None:
     """Enable the scoped translation and register + apply the patch set (idempotent)."""
     translation.enable()
+    from portspeed.patches.megatron import training_imports
+
+    training_imports.install()  # import finders for two modules that cannot import off CUDA
     mgr = portspeed.manager()
     mgr.register(megatron_patches())
     mgr.apply()
@@ -75,6 +78,9 @@ def deactivate() -> None:
     """Revert what ``activate`` did (tests)."""
     portspeed.manager().revert()
     translation.disable()
+    from portspeed.patches.megatron import training_imports
+
+    training_imports.uninstall()
 
 
 def loss_record_meta(layout: dict[str, Any], dtype: str, backend: str | None = None) -> dict[str, Any]:

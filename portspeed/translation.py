@@ -213,6 +213,16 @@ class _Namespace(types.ModuleType):
         raise _unsupported(f"{short}.{attr}", _caller())
 
 
+def _unavailable_type(name: str, hint: str) -> type:
+    """A stand-in class for a CUDA-only type: usable in annotations, raises when constructed."""
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise _unsupported(name, _caller(), hint)
+
+    return type(name, (), {"__new__": __new__, "__module__": "torch.cuda",
+                           "__doc__": f"torch.cuda.{name} has no translation off CUDA ({hint})"})
+
+
 class CudaView(types.ModuleType):
     """torch.cuda as framework modules see it: each call answered by the active adapter.
 
@@ -264,9 +274,17 @@ class CudaView(types.ModuleType):
                         "reset_max_memory_allocated")
         self.memory = _Namespace("torch.cuda.memory", **{n: getattr(self, n) for n in memory_names})
 
+    #: CUDA-only classes that framework code names in annotations at import time: naming them
+    #: works, constructing one raises (see _unavailable_type).
+    _TYPES_NAMED_AT_IMPORT = ("ExternalStream", "CUDAGraph", "MemPool", "CUDAPluggableAllocator")
+
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
+        if attr in self._TYPES_NAMED_AT_IMPORT:
+            cls = _unavailable_type(attr, self._NO_TRANSLATION.get(attr, ""))
+            self.__dict__[attr] = cls
+            return cls
         raise _unsupported(attr, _caller(), self._NO_TRANSLATION.get(attr, ""))
 
     def __repr__(self) -> str:

@@ -1,0 +1,97 @@
+"""``validate_args`` off CUDA: CUDA-kernel defaults fall back to torch paths, and the CUDA launch-queue check.
+
+A GPU user's command line leaves three CUDA-kernel options at Megatron's defaults, and
+each one stops a run where its kernel does not exist:
+
+* ``persist_layer_norm`` (on unless ``--no-persist-layer-norm``): without apex the local
+  spec uses torch's LayerNorm, which asserts the option is off;
+* ``gradient_accumulation_fusion`` (on unless ``--no-gradient-accumulation-fusion``):
+  ColumnParallelLinear raises without apex's ``fused_weight_gradient_mlp_cuda``;
+* ``masked_softmax_fusion`` (on unless ``--no-masked-softmax-fusion``): with ``--bf16`` or
+  ``--fp16`` the softmax imports ``scaled_masked_softmax_cuda``.
+
+After Megatron validates the arguments, each one whose kernel cannot be imported is
+turned off, and one line says so (rank 0, once per run), so the user need not discover
+the flags. The torch path that runs instead is Megatron's own.
+
+Before validation: with tensor or context parallelism Megatron asserts
+``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one CUDA launch queue, so communication kernels keep
+program order). Off CUDA every operation already runs in program order, so an unset
+variable is set to ``1``, with one line saying so; a value the user set is left alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from portspeed.accelerator import get_accelerator
+from portspeed.patch import WRAP, Patch
+
+from ._training_common import DISTRIBUTION, VERSIONS, log_once, off_cuda
+
+__all__ = ["PATCHES", "KERNEL_FALLBACKS", "fall_back_to_torch_paths"]
+
+#: (args attribute that enables it, value that turns it off, attribute to set, module of the kernel, flag)
+KERNEL_FALLBACKS: tuple[tuple[str, str, Any, str, str], ...] = (
+    ("persist_layer_norm", "no_persist_layer_norm", True, "apex", "--no-persist-layer-norm"),
+    ("gradient_accumulation_fusion", "gradient_accumulation_fusion", False, "fused_weight_gradient_mlp_cuda",
+     "--no-gradient-accumulation-fusion"),
+    ("masked_softmax_fusion", "masked_softmax_fusion", False, "scaled_masked_softmax_cuda",
+     "--no-masked-softmax-fusion"),
+)
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _enabled(args: Any, attr: str, off_value: Any) -> bool:
+    return hasattr(args, attr) and getattr(args, attr) != off_value
+
+
+def _one_launch_queue(args: Any) -> None:
+    parallel = getattr(args, "tensor_model_parallel_size", 1) > 1 or getattr(args, "context_parallel_size", 1) > 1
+    fsdp = getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)
+    if parallel and not fsdp and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        log_once("cuda_device_max_connections",
+                 "portspeed: set CUDA_DEVICE_MAX_CONNECTIONS=1 for Megatron's tensor-parallel check; "
+                 "the %s adapter runs operations in program order, so it changes nothing there",
+                 get_accelerator().name)
+
+
+def fall_back_to_torch_paths(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of validate_args(args, defaults): see the module docstring."""
+    margs = args[0] if args else kwargs.get("args")
+    if margs is not None:
+        _one_launch_queue(margs)
+    result = wrapped(*args, **kwargs)
+    if margs is not None:
+        name = get_accelerator().name
+        for feature, attr, off_value, module, flag in KERNEL_FALLBACKS:
+            if _enabled(margs, attr, off_value) and not _importable(module):
+                setattr(margs, attr, off_value)
+                log_once(f"fallback:{feature}",
+                         "portspeed: %s needs %r (a CUDA kernel), not installed for the %s adapter; using "
+                         "Megatron's torch path instead (as with %s)", feature, module, name, flag)
+    return result
+
+
+PATCHES: list[Patch] = [
+    Patch(
+        name="megatron.training.validate_args.torch_paths",
+        target="megatron.training.arguments:validate_args",
+        kind=WRAP,
+        impl=fall_back_to_torch_paths,
+        distribution=DISTRIBUTION,
+        versions=VERSIONS,
+        when=off_cuda,
+        reason="Megatron's defaults enable CUDA-only kernels (persistent layer norm, gradient-accumulation "
+        "fusion, masked-softmax fusion) and assert CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism.",
+    ),
+]
