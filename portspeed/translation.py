@@ -274,9 +274,10 @@ class CudaView(types.ModuleType):
                         "reset_max_memory_allocated")
         self.memory = _Namespace("torch.cuda.memory", **{n: getattr(self, n) for n in memory_names})
 
-    #: CUDA-only classes that framework code names in annotations at import time: naming them
-    #: works, constructing one raises (see _unavailable_type).
-    _TYPES_NAMED_AT_IMPORT = ("ExternalStream", "CUDAGraph", "MemPool", "CUDAPluggableAllocator")
+    #: CUDA-only classes that framework code names in annotations at import time (Megatron-LM's
+    #: megatron.core.resharding, imported by megatron.training): naming them works, constructing
+    #: one raises (see _unavailable_type).
+    _TYPES_NAMED_AT_IMPORT = ("ExternalStream",)
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
