@@ -23,6 +23,8 @@ _COLLECTIVE_REASONS = {
     "reduce": "Gloo before torch 2.8 and vendor CCLs lack AVG/PREMUL_SUM or some dtypes; rewrite only those calls.",
     "reduce_scatter_tensor": "Gloo before torch 2.9 silently sums for AVG/MAX, which corrupts averaged gradients; "
                              "rewrite those calls.",
+    "reduce_scatter_single": "torch 2.13's name for reduce_scatter_tensor (the old name delegates to it); "
+                             "same rewrites.",
     "reduce_scatter": "Gloo has no list reduce_scatter before torch 2.8 and ignores the op on 2.8; rewrite those calls.",
     "all_to_all": "Gloo has no list all_to_all before torch 2.12; send it through all_to_all_single.",
 }
@@ -71,8 +73,9 @@ PATCHES: list[Patch] = [
         kind=WRAP,
         impl=router.COLLECTIVE_WRAPPERS[fn],
         distribution="torch",
-        versions=_TORCH,
+        versions=">=2.13" if fn == "reduce_scatter_single" else _TORCH,
         reason=_COLLECTIVE_REASONS[fn],
     )
-    for fn in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_to_all")
+    for fn in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
+               "all_to_all")
 ]

@@ -73,6 +73,10 @@ RedOpType = dist.ReduceOp.RedOpType
 _SUM = dist.ReduceOp.SUM
 _FLOAT32 = torch.float32
 
+# torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn and delegate)
+_RS_TENSOR = "reduce_scatter_single" if hasattr(c10d, "reduce_scatter_single") else "reduce_scatter_tensor"
+_AG_TENSOR = "all_gather_single" if hasattr(c10d, "all_gather_single") else "all_gather_into_tensor"
+
 _lock = threading.RLock()
 _REQUESTED: dict[Any, str] = {}  # process group -> backend name the caller asked for
 _CAPS: dict[Any, Any] = {}  # group (None = default) -> Capabilities or {device_type: Capabilities}
@@ -471,7 +475,7 @@ def all_reduce(wrapped: Callable, tensor: torch.Tensor, op: Any = _SUM, group: A
         _count("all_reduce", "via_all_gather")
         flat = tensor.reshape(-1).contiguous()
         gathered = flat.new_empty(n * flat.numel())
-        w = c10d.all_gather_into_tensor(gathered, flat, group=group, async_op=inner_async)
+        w = getattr(c10d, _AG_TENSOR)(gathered, flat, group=group, async_op=inner_async)
         return _complete([w], lambda: tensor.copy_(_local_reduce(gathered.view(n, -1), opt).view_as(tensor)),
                          inner_async)
 
@@ -513,7 +517,7 @@ def reduce(wrapped: Callable, tensor: torch.Tensor, dst: Any = None, op: Any = _
         _count("reduce", "via_all_gather")
         flat = tensor.reshape(-1).contiguous()
         gathered = flat.new_empty(n * flat.numel())
-        w = c10d.all_gather_into_tensor(gathered, flat, group=group, async_op=inner_async)
+        w = getattr(c10d, _AG_TENSOR)(gathered, flat, group=group, async_op=inner_async)
 
         def finish() -> None:
             if mine:
@@ -539,17 +543,17 @@ def reduce_scatter_tensor(wrapped: Callable, output: torch.Tensor, input: torch.
             _count(name, "upcast")
             dt = _upcast_target(name, gap, input)
             out32, in32 = output.to(dt), input.to(dt)
-            w = c10d.reduce_scatter_tensor(out32, in32, op=op, group=group, async_op=inner_async)
+            w = getattr(c10d, _RS_TENSOR)(out32, in32, op=op, group=group, async_op=inner_async)
             return _complete([w], lambda: output.copy_(out32), inner_async)
         if opt == RedOpType.AVG:
             _require_float(name, input, "AVG")
             _count(name, "avg_as_sum")
-            w = c10d.reduce_scatter_tensor(output, input, op=_SUM, group=group, async_op=inner_async)
+            w = getattr(c10d, _RS_TENSOR)(output, input, op=_SUM, group=group, async_op=inner_async)
             return _complete([w], lambda: output.div_(n), inner_async)
         if opt == RedOpType.PREMUL_SUM:
             _require_float(name, input, "PREMUL_SUM")
             _count(name, "premul_as_scale_sum")
-            w = c10d.reduce_scatter_tensor(output, input * _factor(op), op=_SUM, group=group, async_op=inner_async)
+            w = getattr(c10d, _RS_TENSOR)(output, input * _factor(op), op=_SUM, group=group, async_op=inner_async)
             return _complete([w], _nothing, inner_async)
         _count(name, "via_all_reduce_slice")
         tmp = input.reshape(-1).clone()
@@ -593,7 +597,7 @@ def reduce_scatter(wrapped: Callable, output: torch.Tensor, input_list: list, op
         _count(name, "via_reduce_scatter_tensor")
         flat_in = torch.cat([t.reshape(-1) for t in input_list])
         flat_out = output.new_empty(output.numel())
-        w = c10d.reduce_scatter_tensor(flat_out, flat_in, op=op, group=group, async_op=inner_async)
+        w = getattr(c10d, _RS_TENSOR)(flat_out, flat_in, op=op, group=group, async_op=inner_async)
         return _complete([w], lambda: output.copy_(flat_out.view_as(output)), inner_async)
 
     return _run_rewrite(name, gap, group, async_op, body)
@@ -624,18 +628,22 @@ def all_to_all(wrapped: Callable, output_tensor_list: list, input_tensor_list: l
     return _run_rewrite("all_to_all", gap, group, async_op, body)
 
 
-def _adapter(fn: Callable) -> Callable:
+def _adapter(name: str, fn: Callable) -> Callable:
     """A wrapt wrapper ``(wrapped, instance, args, kwargs)`` around a routed collective."""
 
     def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
         return fn(wrapped, *args, **kwargs)
 
-    wrapper.__name__ = wrapper.__qualname__ = f"route_{fn.__name__}"
-    wrapper.__doc__ = f"Route torch.distributed.{fn.__name__} through portspeed.router.{fn.__name__}."
+    wrapper.__name__ = wrapper.__qualname__ = f"route_{name}"
+    wrapper.__doc__ = f"Route torch.distributed.{name} through portspeed.router.{fn.__name__}."
     return wrapper
 
 
-#: wrapt wrappers for the collectives the router handles, by torch.distributed function name.
+#: wrapt wrappers for the collectives the router handles, by torch.distributed function name
+#: (``reduce_scatter_single`` is torch 2.13's name for reduce_scatter_tensor; tables use the old name).
 COLLECTIVE_WRAPPERS: dict[str, Callable] = {
-    f.__name__: _adapter(f) for f in (all_reduce, reduce, reduce_scatter_tensor, reduce_scatter, all_to_all)
+    name: _adapter(name, f) for name, f in (
+        ("all_reduce", all_reduce), ("reduce", reduce), ("reduce_scatter_tensor", reduce_scatter_tensor),
+        ("reduce_scatter_single", reduce_scatter_tensor), ("reduce_scatter", reduce_scatter),
+        ("all_to_all", all_to_all))
 }

@@ -1,1 +1,74 @@
-"""Stand-ins for hardware we do not have (named as stand-ins), shipped for tests and examples."""
+"""Test helpers that stand in for hardware portspeed's CI does not have, and a rank launcher.
+
+Everything here is a stand-in and is named as one: ``standin_ccl`` is a real c10d
+backend written in Python (its collectives are rings of point-to-point messages on an
+inner Gloo group) that declares the gaps a vendor CCL has, plus ``StandinAccelerator``,
+the CPU adapter that uses it. Import ``portspeed.testing.standin_ccl`` to register the
+``"standin"`` backend with torch.distributed.
+
+``run_ranks`` starts one real process per rank on 127.0.0.1 with a free port and a hard
+timeout, so a hung collective fails a test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+__all__ = ["RankResult", "free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class RankResult:
+    """One rank's exit status and output."""
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
+              env: dict[str, str] | None = None) -> list[RankResult]:
+    """Run ``python argv...`` once per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
+
+    Every rank gets OMP_NUM_THREADS=1. After ``timeout`` seconds the remaining ranks are
+    killed and their returncode is None.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        e = dict(os.environ)
+        e.update(env or {})
+        e.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                  "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+        procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(RankResult(rank, p.returncode, out, err))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+            out, err = p.communicate()
+            results.append(RankResult(rank, None, out, err + f"\n[killed after {timeout:.0f} s]"))
+    return results
