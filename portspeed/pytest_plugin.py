@@ -1,11 +1,157 @@
-"""pytest plugin (entry point ``pytest11``): loss-parity fixtures. See portspeed.parity for the fixtures' logic."""
+"""pytest plugin (entry point ``pytest11``): fixtures to launch runs and check their losses.
+
+Fixtures:
+
+``portspeed_launch(script, *args, nproc=2, timeout=None, env=None, name=None) -> LossRecord``
+    Runs ``script`` under ``torch.distributed.run`` with ``nproc`` ranks on 127.0.0.1 and a
+    free port (``nproc=None``: one plain process), ``OMP_NUM_THREADS=1``, killed after
+    ``timeout`` seconds (default: PORTSPEED_TIMEOUT, 300). The script writes its loss record
+    to ``PORTSPEED_LOSS_LOG`` (also substituted for ``{record}`` in ``args``) or prints
+    Megatron iteration lines (literal braces in ``args`` are written ``{{ }}``). Logs are kept under pytest's temporary directory; a failed or
+    hung run fails the test with the log's last lines and its path.
+
+``assert_losses_match(actual, expected, *, atol=None, rtol=None, dtype=None, metric="lm_loss")``
+    Records or paths; fails with the comparison table when any iteration leaves the band
+    (defaults from the dtype, as `portspeed compare`).
+
+``loss_golden(record, path, **tolerance)``
+    Compares ``record`` to a golden file (relative paths are relative to the test file;
+    ``{backend}``, ``{accelerator}``, ``{dtype}`` are filled from the record's meta, so one
+    golden per backend). ``pytest --update-golden`` rewrites the golden file instead, on
+    purpose, and the terminal summary lists what was rewritten.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
 import pytest
+
+if TYPE_CHECKING:  # keep pytest start-up free of portspeed's heavier modules
+    from .losslog import LossRecord
+    from .parity import Comparison
+
+__all__ = ["portspeed_launch", "assert_losses_match", "loss_golden"]
+
+_UPDATED = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("portspeed")
     group.addoption("--update-golden", action="store_true", default=False,
                     help="rewrite portspeed golden loss files instead of comparing against them")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_UPDATED] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    updated = config.stash.get(_UPDATED, [])
+    if updated:
+        terminalreporter.write_sep("-", f"portspeed: rewrote {len(updated)} golden loss file(s)")
+        for p in updated:
+            terminalreporter.write_line(f"  {p}")
+
+
+def _as_record(x: "LossRecord | str | os.PathLike[str]") -> "LossRecord":
+    from .losslog import LossRecord, read_record
+    return x if isinstance(x, LossRecord) else read_record(x)
+
+
+def _check(actual: Any, expected: Any, atol: float | None, rtol: float | None, dtype: str | None,
+           metric: str, what: str) -> "Comparison":
+    __tracebackhide__ = True
+    from .compare import format_table
+    from .parity import compare, pick_tolerance
+    exp, act = _as_record(expected), _as_record(actual)
+    tol, origin = pick_tolerance([exp, act], dtype, atol, rtol)
+    result = compare(exp, act, tol, metric)
+    if not result.ok:
+        raise AssertionError(f"losses do not match {what}:\n" + format_table([result], tol, origin, limit=40))
+    return result
+
+
+@pytest.fixture
+def assert_losses_match() -> Callable[..., "Comparison"]:
+    """A function asserting that a run's losses match an expected record within tolerance."""
+
+    def check(actual: Any, expected: Any, *, atol: float | None = None, rtol: float | None = None,
+              dtype: str | None = None, metric: str = "lm_loss") -> "Comparison":
+        __tracebackhide__ = True
+        return _check(actual, expected, atol, rtol, dtype, metric, "the expected run")
+
+    return check
+
+
+@pytest.fixture
+def loss_golden(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """A function comparing a record to a golden file, or rewriting it under --update-golden."""
+    update = request.config.getoption("--update-golden")
+
+    def golden(record: Any, path: str | os.PathLike[str], *, atol: float | None = None,
+               rtol: float | None = None, dtype: str | None = None, metric: str = "lm_loss") -> None:
+        __tracebackhide__ = True
+        from .losslog import write_record
+        rec = _as_record(record)
+        target = _golden_path(str(path), rec.meta, Path(request.node.path).parent)
+        if update:
+            write_record(rec, target)
+            request.config.stash[_UPDATED].append(str(target))
+            return
+        if not target.exists():
+            pytest.fail(f"golden loss file {target} does not exist; create it on purpose with "
+                        "`pytest --update-golden` and commit it", pytrace=False)
+        _check(rec, target, atol, rtol, dtype, metric, f"golden file {target} (rewrite with --update-golden)")
+
+    return golden
+
+
+def _golden_path(template: str, meta: Mapping[str, Any], base: Path) -> Path:
+    fields = {k: meta.get(k) for k in ("backend", "accelerator", "dtype", "name")}
+    try:
+        filled = template.format_map({k: v for k, v in fields.items() if v is not None})
+    except KeyError as e:
+        raise pytest.UsageError(
+            f"loss_golden path {template!r} uses {{{e.args[0]}}} but the record's meta has no "
+            f"{e.args[0]!r}; write it into the record's meta or use a fixed path") from None
+    p = Path(filled)
+    return p if p.is_absolute() else base / p
+
+
+@pytest.fixture
+def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., "LossRecord"]:
+    """A function launching an N-rank torchrun run of a script and returning its loss record."""
+    from .config import settings
+
+    default_timeout = settings().timeout
+    counter = [0]
+
+    def launch(script: str | os.PathLike[str], *args: Any, nproc: int | None = 2, timeout: float | None = None,
+               env: Mapping[str, str] | None = None, name: str | None = None) -> "LossRecord":
+        __tracebackhide__ = True
+        from .runspec import RunFailedError, RunSpec, run_one
+        if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
+            raise pytest.UsageError(f"portspeed_launch(nproc={nproc!r}): give a positive number of ranks or None")
+        if not Path(script).is_file():
+            raise pytest.UsageError(f"portspeed_launch: script {script} does not exist")
+        counter[0] += 1
+        run_name = name or f"{Path(script).stem}-{counter[0]}"
+        if nproc is None:
+            cmd = ["{python}", str(script)]
+        else:
+            cmd = ["{python}", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--master-addr", "127.0.0.1", "--master-port", "{port}", str(script)]
+        cmd += [str(a) for a in args]
+        full_env = {"OMP_NUM_THREADS": "1", **dict(env or {})}
+        workdir = tmp_path_factory.mktemp("portspeed-launch", numbered=True)
+        run = RunSpec(run_name, cmd, full_env, {}, float(timeout or default_timeout), None, None)
+        try:
+            return run_one(run, workdir)
+        except RunFailedError as e:
+            pytest.fail(f"portspeed_launch: {e}\n(logs kept in {workdir})", pytrace=False)
+
+    return launch
+

@@ -198,12 +198,17 @@ def load_spec(path: str | os.PathLike[str]) -> Spec:
     return spec_from_json(data, str(p))
 
 
-def _tail(path: Path, n: int = 40) -> str:
+def _tail(path: Path, limit: int = 80) -> str:
+    """The log for an error message: whole if short, else its head and tail (a worker's own
+    message often comes before the launcher's long failure dump)."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join(lines[-n:])
+    if len(lines) <= limit:
+        return "\n".join(lines)
+    head, tail = lines[:15], lines[-(limit - 15):]
+    return "\n".join(head + [f"... ({len(lines) - len(head) - len(tail)} lines omitted) ..."] + tail)
 
 
 def run_one(run: RunSpec, workdir: str | os.PathLike[str]) -> LossRecord:
@@ -233,9 +238,9 @@ def run_one(run: RunSpec, workdir: str | os.PathLike[str]) -> LossRecord:
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             raise RunFailedError(f"run {run.name}: still running after {run.timeout:g}s, killed. "
-                                 f"Log {logfile}, last lines:\n{_tail(logfile)}") from None
+                                 f"Log {logfile}:\n{_tail(logfile)}") from None
     if rc != 0:
-        raise RunFailedError(f"run {run.name}: exited with status {rc}. Log {logfile}, last lines:\n{_tail(logfile)}")
+        raise RunFailedError(f"run {run.name}: exited with status {rc}. Log {logfile}:\n{_tail(logfile)}")
     if record.exists():
         rec = read_record(record)
     else:
