@@ -62,6 +62,7 @@ __all__ = [
     "real_backend",
     "requested_backend",
     "capabilities_of",
+    "use_capabilities",
     "stats",
     "reset_stats",
     "reset",
@@ -284,6 +285,17 @@ def capabilities_of(group: Any = None, device_type: str = "cpu") -> Capabilities
     if type(caps) is dict:
         return caps.get(device_type) or capabilities_for("unknown")
     return caps
+
+
+def use_capabilities(caps: Capabilities, group: Any = None) -> None:
+    """Make ``group`` follow ``caps`` until it is destroyed: for tests that replay another
+    torch version's or vendor's table on Gloo (e.g. ``capabilities_for("gloo", "2.7")``)."""
+    if not isinstance(caps, Capabilities):
+        raise TypeError(f"use_capabilities() takes a Capabilities record, got {type(caps).__name__}")
+    with _lock:
+        _CAPS[group] = caps
+        if group is None and c10d.is_initialized():
+            _CAPS[c10d._get_default_group()] = caps
 
 
 def stats() -> dict[str, dict[str, Any]]:
