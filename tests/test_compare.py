@@ -285,3 +285,10 @@ def test_plot_without_matplotlib_still_compares(tmp_path, monkeypatch):
     assert "pip install 'portspeed[plot]'" in err
     assert not (tmp_path / "x.png").exists()
     assert "MATCH" in out
+
+
+def test_real_stock_megatron_tp2_matches_tp1():
+    """Real stock Megatron-LM logs on CPU, TP1 vs TP2 from one checkpoint: within the fp32 band (exit 0)."""
+    code, out, _ = run_cli(str(DATA / "megatron_stock_cpu_tp1.real.log"), str(DATA / "megatron_stock_cpu_tp2.real.log"))
+    assert code == 0, out
+    assert "MATCH: 10/10" in out

@@ -227,3 +227,15 @@ def test_label_prefers_meta_name():
     """Tables name a run by meta.name, else by its file name."""
     assert LossRecord([], {"name": "tp2"}, "/x/y.json").label == "tp2"
     assert LossRecord([], {}, "/x/y.json").label == "y.json"
+
+
+def test_real_stock_megatron_cpu_log():
+    """A real log of stock Megatron-LM core_v0.16.1 pretrain_gpt.py (CPU, through portspeed): all 10 iterations,
+    none lost among warnings, the argument dump and timers."""
+    path = DATA / "megatron_stock_cpu_tp2.real.log"
+    rec = read_record(path)
+    printed = _printed_losses(path)
+    assert len(printed) == 10
+    assert {it.iteration: it.lm_loss for it in rec.iterations} == printed
+    assert rec.meta["train_iters"] == 10
+    assert all(it.grad_norm is not None and not it.skipped for it in rec.iterations)
