@@ -595,3 +595,16 @@ def test_report_statuses_are_known(mods: Modules, mgr: PatchManager) -> None:
     for d in mgr.report():
         assert d["status"] in STATUSES
         assert set(d) >= {"name", "target", "kind", "status", "detail", "reason", "distribution", "versions"}
+
+
+def test_replaced_constant_does_not_rebind_equal_immutables(mods: Modules, mgr: PatchManager) -> None:
+    """Rebinding is by identity, so shared immutables (small ints, strings) are never swept."""
+    t = imp(mods.write("consts", "LIMIT = 0\nNAME = 'cuda'\n"))
+    u = imp(mods.write("cu", f"from {t.__name__} import LIMIT, NAME\nOTHER = 0\nLABEL = 'cuda'\n"))
+    mgr.register([replace("lim", f"{t.__name__}:LIMIT", impl=7), replace("nm", f"{t.__name__}:NAME", impl="cpu")])
+    mgr.apply()
+    assert (t.LIMIT, t.NAME) == (7, "cpu")
+    assert (u.OTHER, u.LABEL) == (0, "cuda")  # unrelated names that happen to share the object
+    assert (u.LIMIT, u.NAME) == (0, "cuda")   # documented limit: copies of immutables stay as they were
+    mgr.revert()
+    assert (t.LIMIT, t.NAME) == (0, "cuda")

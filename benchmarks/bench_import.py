@@ -1,0 +1,82 @@
+"""What importing the Megatron adaptor adds to a process start, measured A/B in fresh interpreters.
+
+A: ``python -c "import torch"``; B: ``python -c "import torch, portspeed.megatron_adaptor"``.
+Runs alternate A, B, A, B... so drift on a shared machine hits both alike; the figure is
+the median of the paired differences (B - A) and the ratio of medians, for the child's CPU
+time (user + system) and for wall time. Goal: +20 ms or less.
+When the adaptor module is missing, B imports plain ``portspeed`` and the output says so.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_import.py --runs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _time_once(code: str, env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) for one fresh interpreter running ``code``.
+
+    CPU time (user + system of that child alone, from wait4) is the steadier figure on a
+    shared machine: waiting for a core counts in wall time but not in CPU time.
+    """
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"`python -c {code!r}` failed with exit code {proc.returncode}; run it by hand to see why")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the A/B comparison and print medians, the paired difference and the ratio."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=15, help="runs of each variant (default 15)")
+    ap.add_argument("--module", default="portspeed.megatron_adaptor", help="what B imports after torch")
+    args = ap.parse_args(argv)
+    if args.runs < 3:
+        ap.error("--runs must be at least 3 to take a median")
+    module = args.module
+    if not _module_available(module):
+        print(f"note: {module} is not importable here; measuring `import portspeed` instead")
+        module = "portspeed"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    a_code, b_code = "import torch", f"import torch, {module}"
+    _time_once(b_code, env)  # warm the file cache and .pyc files for both
+    a: list[tuple[float, float]] = []
+    b: list[tuple[float, float]] = []
+    for _ in range(args.runs):
+        a.append(_time_once(a_code, env))
+        b.append(_time_once(b_code, env))
+    print(f"A = {a_code!r}, B = {b_code!r}; {args.runs} interleaved runs each, "
+          f"python {sys.version.split()[0]}, OMP_NUM_THREADS=1")
+    for i, what in ((1, "CPU "), (0, "wall")):
+        xa = [r[i] * 1e3 for r in a]
+        xb = [r[i] * 1e3 for r in b]
+        diffs = [y - x for x, y in zip(xa, xb)]
+        q = statistics.quantiles(diffs, n=4)
+        ma, mb = statistics.median(xa), statistics.median(xb)
+        print(f"{what}: A median {ma:7.1f} ms, B median {mb:7.1f} ms, B - A paired median "
+              f"{statistics.median(diffs):+7.1f} ms (quartiles {q[0]:+.1f} .. {q[2]:+.1f}), "
+              f"ratio of medians {mb / ma:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
