@@ -18,7 +18,8 @@ iteration lines is read from its log instead, so stock Megatron-LM runs work too
                 "axes": {"backend": ["gloo", "standin"],
                          "layout": [{"tp": 2, "pp": 1, "nproc": 2}, {"tp": 1, "pp": 2, "nproc": 2}]}}}
 
-Runs listed under ``runs`` come first, then the matrix's product in axis order; the first
+``setup`` (same form as ``runs``) lists commands run first whose output is not compared,
+e.g. writing the checkpoint every layout loads. Runs listed under ``runs`` come first, then the matrix's product in axis order; the first
 run is the reference unless ``"reference": NAME`` says otherwise. Placeholders:
 ``{python}`` (this interpreter), ``{record}``, ``{port}`` (a free 127.0.0.1 port), ``{name}``,
 ``{workdir}``, and the matrix axes (an axis whose values are objects contributes their keys).
@@ -47,7 +48,7 @@ __all__ = ["RunSpec", "Spec", "SpecError", "RunFailedError", "load_spec", "spec_
            "run_one", "run_spec", "free_port"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.,=+\-]+$")
-_KNOWN_KEYS = {"runs", "matrix", "timeout", "env", "reference", "cwd"}
+_KNOWN_KEYS = {"setup", "runs", "matrix", "timeout", "env", "reference", "cwd"}
 
 
 class SpecError(PortspeedError, ValueError):
@@ -77,6 +78,8 @@ class Spec:
 
     runs: list[RunSpec]
     source: str = "<spec>"
+    #: commands run first, in order, whose output is not compared (e.g. writing a shared checkpoint)
+    setup: list[RunSpec] = dataclasses.field(default_factory=list)
 
 
 def free_port() -> int:
@@ -118,25 +121,19 @@ def spec_from_json(data: Any, source: str = "<spec>") -> Spec:
     timeout = _timeout(data.get("timeout"), f"{source}: timeout", 600.0)
     common_env = _env(data.get("env"), f"{source}: env")
     cwd = data.get("cwd")
-    runs: list[RunSpec] = []
-    for i, r in enumerate(data.get("runs") or []):
-        where = f"{source}: runs[{i}]"
-        if not isinstance(r, Mapping) or "command" not in r:
-            raise SpecError(f"{where} must be an object with 'command' (and optionally name, env, timeout, record)")
-        name = str(r.get("name") or f"run{i}")
-        runs.append(RunSpec(name, _str_list(r["command"], f"{where}.command"),
-                            {**common_env, **_env(r.get("env"), f"{where}.env")}, {},
-                            _timeout(r.get("timeout"), f"{where}.timeout", timeout), r.get("cwd", cwd), r.get("record")))
+    setup = _plain_runs(data.get("setup"), f"{source}: setup", common_env, timeout, cwd, "setup")
+    runs = _plain_runs(data.get("runs"), f"{source}: runs", common_env, timeout, cwd, "run")
     m = data.get("matrix")
     if m is not None:
         runs.extend(_expand_matrix(m, f"{source}: matrix", common_env, timeout, cwd))
     if len(runs) < 2:
         raise SpecError(f"{source}: lists {len(runs)} run(s); a comparison needs at least two")
     names = [r.name for r in runs]
-    for n in names:
+    for n in names + [r.name for r in setup]:
         if not _NAME.match(n):
             raise SpecError(f"{source}: run name {n!r} may only use letters, digits and _.,=+- (it names files)")
-    dup = sorted({n for n in names if names.count(n) > 1})
+    every = names + [r.name for r in setup]
+    dup = sorted({n for n in every if every.count(n) > 1})
     if dup:
         raise SpecError(f"{source}: duplicate run names {dup}; give each run its own name")
     ref = data.get("reference")
@@ -144,7 +141,24 @@ def spec_from_json(data: Any, source: str = "<spec>") -> Spec:
         if ref not in names:
             raise SpecError(f"{source}: reference {ref!r} is not a run name; runs are {names}")
         runs.insert(0, runs.pop(names.index(ref)))
-    return Spec(runs, source)
+    return Spec(runs, source, setup)
+
+
+def _plain_runs(items: Any, where: str, common_env: dict[str, str], timeout: float, cwd: Any,
+                prefix: str) -> list[RunSpec]:
+    if items is None:
+        return []
+    if not isinstance(items, list):
+        raise SpecError(f"{where} must be a list of objects with 'command'")
+    out = []
+    for i, r in enumerate(items):
+        w = f"{where}[{i}]"
+        if not isinstance(r, Mapping) or "command" not in r:
+            raise SpecError(f"{w} must be an object with 'command' (and optionally name, env, timeout, record)")
+        out.append(RunSpec(str(r.get("name") or f"{prefix}{i}"), _str_list(r["command"], f"{w}.command"),
+                           {**common_env, **_env(r.get("env"), f"{w}.env")}, {},
+                           _timeout(r.get("timeout"), f"{w}.timeout", timeout), r.get("cwd", cwd), r.get("record")))
+    return out
 
 
 def _expand_matrix(m: Any, where: str, common_env: dict[str, str], timeout: float, cwd: Any) -> list[RunSpec]:
@@ -211,8 +225,11 @@ def _tail(path: Path, limit: int = 80) -> str:
     return "\n".join(head + [f"... ({len(lines) - len(head) - len(tail)} lines omitted) ..."] + tail)
 
 
-def run_one(run: RunSpec, workdir: str | os.PathLike[str]) -> LossRecord:
-    """Launch one run, wait at most its timeout, and return its loss record (meta.name = run name)."""
+def run_one(run: RunSpec, workdir: str | os.PathLike[str], want_record: bool = True) -> LossRecord | None:
+    """Launch one run, wait at most its timeout, and return its loss record (meta.name = run name).
+
+    ``want_record=False`` (setup steps): only the exit status matters; returns None.
+    """
     wd = Path(workdir).resolve()
     wd.mkdir(parents=True, exist_ok=True)
     record = Path(run.record).resolve() if run.record else wd / f"{run.name}.json"
@@ -241,6 +258,8 @@ def run_one(run: RunSpec, workdir: str | os.PathLike[str]) -> LossRecord:
                                  f"Log {logfile}:\n{_tail(logfile)}") from None
     if rc != 0:
         raise RunFailedError(f"run {run.name}: exited with status {rc}. Log {logfile}:\n{_tail(logfile)}")
+    if not want_record:
+        return None
     if record.exists():
         rec = read_record(record)
     else:
@@ -265,11 +284,17 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_spec(spec: Spec, workdir: str | os.PathLike[str], progress: TextIO | None = None) -> list[LossRecord]:
     """Launch every run of ``spec`` in order; the first failure stops and raises RunFailedError."""
+    for run in spec.setup:
+        if progress is not None:
+            print(f"  [setup] {run.name} ...", file=progress, flush=True)
+        run_one(run, workdir, want_record=False)
     out = []
     for i, run in enumerate(spec.runs, 1):
         if progress is not None:
             print(f"  [{i}/{len(spec.runs)}] {run.name} ...", file=progress, flush=True)
-        out.append(run_one(run, workdir))
+        rec = run_one(run, workdir)
+        assert rec is not None
+        out.append(rec)
     return out
 
 

@@ -131,3 +131,17 @@ def test_matrix_expands_in_axis_order():
     assert [r.name for r in spec.runs] == ["backend=gloo,tp=1", "backend=gloo,tp=2",
                                            "backend=standin,tp=1", "backend=standin,tp=2"]
     assert spec.runs[0].env == {"PORTSPEED_BACKEND": "{backend}"}  # filled at launch, like the command
+
+
+def test_setup_steps_run_first_and_are_not_compared(tmp_path):
+    """'setup' commands run before the runs (e.g. writing a shared checkpoint) and need no record."""
+    shared = tmp_path / "shared.txt"
+    make = ["{python}", "-c", f"open({str(shared)!r}, 'w').write(open({TP1!r}).read())"]
+    spec = {"setup": [{"name": "init", "command": make}],
+            "runs": [{"name": "a", "command": cat(str(shared))}, {"name": "b", "command": cat(TP2)}]}
+    code, out, err = run_cli(write_spec(tmp_path, spec), "--workdir", str(tmp_path / "w"))
+    assert code == 0, err
+    assert "[setup] init" in err
+    assert "MATCH: 20/20" in out
+    with pytest.raises(SpecError, match="duplicate run names"):
+        spec_from_json({"setup": [{"name": "a", "command": ["x"]}], **{k: spec[k] for k in ("runs",)}})
