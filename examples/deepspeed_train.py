@@ -183,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         record["runs"][f"{stage}:{dtype}"] = train_run(args, stage, dtype, data)
     if not args.no_portspeed:
         import portspeed
+        import portspeed.router
         from portspeed.patches.deepspeed import routes
 
         record["routes"] = routes()
+        record["real_backend"] = portspeed.router.real_backend()
         record["report"] = [{k: r[k] for k in ("name", "status", "detail")} for r in portspeed.report()]
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:

@@ -1,0 +1,345 @@
+"""DeepSpeed on the portspeed adapter: the injected accelerator, backend routing, ZeRO 0-3 parity.
+
+Multi-rank runs start real processes (``portspeed.testing.run_ranks``: 127.0.0.1, a free
+port, a hard timeout) of ``examples/deepspeed_train.py``; checks that import DeepSpeed
+with the adaptor run in a child interpreter, so the patches never leak into this one.
+
+Tolerances, per-step loss, relative:
+- portspeed vs stock DeepSpeed (``DS_ACCELERATOR=cpu``) on the same 2 Gloo ranks: 0, the
+  same float operations run in the same order; portspeed only answers device questions.
+- 2 ranks vs 1 process (same global batch): fp32 1e-5, bf16 5e-3. Splitting the batch
+  changes the order gradients are summed in; fp32 rounding (6e-8 per op) gives ~2e-7
+  after 6 steps; bf16 gradients (unit roundoff 3.9e-3) give ~2e-4. A gradient off by a
+  factor of 2 (SUM where the mean is due) moves the losses by 1e-2 to 1e-1 with the SGD
+  this example uses, so both bounds still catch it.
+- the stand-in vendor backend vs Gloo: fp32 1e-5 (its ring all-reduce sums in another order).
+- resume from a ZeRO checkpoint vs the uninterrupted run: 0 (the state is restored exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'portspeed[deepspeed]')")
+
+import torch  # noqa: E402
+
+from portspeed.testing import run_ranks  # noqa: E402
+
+pytestmark = [pytest.mark.deepspeed]
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "deepspeed_train.py")
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+ALL_RUNS = "0:fp32,1:fp32,2:fp32,3:fp32,0:bf16,1:bf16,2:bf16,3:bf16"
+STEPS, SAVE_AT = 6, 3
+TOL = {"fp32": 1e-5, "bf16": 5e-3}
+TIMEOUT = 300.0
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PORTSPEED_", "DS_ACCELERATOR"))}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _train(tmp: Path, name: str, world: int, *args: str, env: dict[str, str] | None = None,
+           pre: str | None = None) -> dict[str, Any]:
+    """Run the example on ``world`` ranks; return rank 0's JSON record (fail with every rank's output)."""
+    out = tmp / f"{name}.json"
+    argv = [EXAMPLE, "--runs", ALL_RUNS, "--steps", str(STEPS), "--out", str(out), *args]
+    if pre is not None:  # code to run first in each rank (e.g. select the stand-in adapter)
+        argv = ["-c", pre + "\nimport runpy, sys\nsys.argv = sys.argv[1:]\n"
+                "runpy.run_path(sys.argv[0], run_name='__main__')", *argv]
+    results = run_ranks(argv, world, timeout=TIMEOUT, env=env or _clean_env())
+    failed = [r for r in results if r.returncode != 0]
+    if failed or not out.exists():
+        msg = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{r.stderr[-4000:]}" for r in results)
+        pytest.fail(f"{name}: the training run failed\n{msg}")
+    return json.loads(out.read_text())
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The ported 2-rank run (saving checkpoints), the stock run, the 1-process run, the resumed run."""
+    tmp = tmp_path_factory.mktemp("ds_runs")
+    ckpt = tmp / "ckpt"
+    ported = _train(tmp, "ported", 2, "--save-dir", str(ckpt), "--save-at", str(SAVE_AT))
+    stock = _train(tmp, "stock", 2, "--no-portspeed", env=_clean_env(DS_ACCELERATOR="cpu"))
+    single = _train(tmp, "single", 1)
+    resumed = _train(tmp, "resumed", 2, "--resume-from", str(ckpt), "--save-at", str(SAVE_AT))
+    return {"ported": ported, "stock": stock, "single": single, "resumed": resumed}
+
+
+@pytest.mark.multiproc
+def test_runs_used_the_accelerators_they_claim(runs: dict[str, Any]) -> None:
+    """The ported run used the portspeed-backed accelerator, the stock one DeepSpeed's own (else parity is vacuous)."""
+    assert runs["ported"]["ds_accelerator"] == "PortspeedCpuAccelerator"
+    assert runs["stock"]["ds_accelerator"] == "CPU_Accelerator"
+    assert runs["ported"]["world_size"] == 2 and runs["single"]["world_size"] == 1
+    for key, run in runs["ported"]["runs"].items():
+        assert len(run["losses"]) == STEPS, key
+        assert all(math.isfinite(x) for x in run["losses"]), key
+        assert len(set(run["losses"])) == STEPS, f"{key}: losses do not change from step to step"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("key", ALL_RUNS.split(","))
+def test_zero_losses_equal_stock_deepspeed(runs: dict[str, Any], key: str) -> None:
+    """ZeRO stage/dtype on 2 Gloo ranks: portspeed's per-step losses are bit-identical to stock DeepSpeed's."""
+    assert runs["ported"]["runs"][key]["losses"] == runs["stock"]["runs"][key]["losses"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("key", ALL_RUNS.split(","))
+def test_zero_losses_match_single_process(runs: dict[str, Any], key: str) -> None:
+    """ZeRO stage/dtype on 2 ranks matches one process on the same global batch within the dtype's tolerance."""
+    tol = TOL[key.split(":")[1]]
+    two, one = runs["ported"]["runs"][key]["losses"], runs["single"]["runs"][key]["losses"]
+    worst = max(_rel(a, b) for a, b in zip(two, one))
+    assert worst <= tol, f"{key}: worst relative difference {worst:.3g} > {tol} ({two} vs {one})"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("key", ALL_RUNS.split(","))
+def test_zero_checkpoint_resumes_identically(runs: dict[str, Any], key: str) -> None:
+    """A ZeRO checkpoint saved after step 3 and loaded by fresh processes gives the same later losses."""
+    resumed = runs["resumed"]["runs"][key]
+    assert resumed["start_step"] == SAVE_AT
+    assert resumed["losses"] == runs["ported"]["runs"][key]["losses"][SAVE_AT:]
+
+
+@pytest.mark.multiproc
+def test_routing_is_in_the_report(runs: dict[str, Any]) -> None:
+    """portspeed.report() carries the backend route DeepSpeed's init_distributed took, and the accelerator patch."""
+    report = {r["name"]: r for r in runs["ported"]["report"]}
+    init = report["deepspeed.comm.init_distributed.backend"]
+    assert init["status"] == "applied"
+    assert "-> 'gloo'" in init["detail"]
+    assert report["deepspeed.accelerator"]["status"] == "applied"
+    assert runs["ported"]["real_backend"] == "gloo"
+
+
+@pytest.mark.multiproc
+def test_nccl_request_runs_on_standin_backend_and_matches_gloo(runs: dict[str, Any], tmp_path: Path) -> None:
+    """ZeRO-2 asked for 'nccl' runs on the stand-in vendor backend (not Gloo) and matches the Gloo losses."""
+    pre = ("import portspeed, portspeed.testing.standin_ccl as standin\n"
+           "portspeed.set_accelerator(standin.StandinAccelerator())")
+    rec = _train(tmp_path, "standin", 2, "--runs", "2:fp32", "--dist-backend", "nccl", pre=pre)
+    assert rec["real_backend"] == "standin"
+    assert rec["backend"] == "nccl"  # what the script asked for, reported back (router's two-way names)
+    assert {"requested": "nccl", "used": "standin", "how": "mapped by portspeed.router at init_process_group"} \
+        in rec["routes"]
+    got, ref = rec["runs"]["2:fp32"]["losses"], runs["ported"]["runs"]["2:fp32"]["losses"]
+    worst = max(_rel(a, b) for a, b in zip(got, ref))
+    assert worst <= TOL["fp32"], f"stand-in vs Gloo: {worst:.3g} ({got} vs {ref})"
+
+
+# ---------------------------------------------------------------------- single-process checks in a child
+def _child(code: str, **env: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter; it prints one JSON line last, which is returned."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=_clean_env(**env), cwd=str(ROOT))
+    if proc.returncode != 0:
+        pytest.fail(f"child failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_PROBE = """
+    import json, torch, portspeed
+    from deepspeed.accelerator import get_accelerator
+    import deepspeed.runtime.engine as engine
+    acc = get_accelerator()
+    print(json.dumps({
+        "deepspeed_before_adaptor": DS_BEFORE,
+        "cls": type(acc).__name__,
+        "engine_sees_same": engine.get_accelerator() is acc,
+        "device": str(acc.device()), "device_is_torch_device": isinstance(acc.device(), torch.device),
+        "current_device": acc.current_device(), "current_device_type": type(acc.current_device()).__name__,
+        "fp16": acc.is_fp16_supported(), "backend": acc.communication_backend_name(),
+        "adapter_backend": portspeed.get_accelerator().communication_backend,
+        "backed_by_adapter": acc.adapter is portspeed.get_accelerator(),
+        "shm_builder": acc.create_op_builder("ShareMemCommBuilder") is None,
+    }))
+"""
+
+
+@pytest.mark.parametrize("order", ["adaptor_first", "deepspeed_first"])
+def test_deepspeed_gets_adapter_backed_accelerator(order: str) -> None:
+    """Either import order: DeepSpeed's get_accelerator() is the adapter-backed object, with DeepSpeed's CPU quirks fixed."""
+    imports = ("import sys, portspeed.deepspeed_adaptor\nDS_BEFORE = 'deepspeed' in sys.modules\nimport deepspeed\n"
+               if order == "adaptor_first" else
+               "import sys, deepspeed\nDS_BEFORE = True\nimport portspeed.deepspeed_adaptor\n")
+    got = _child(imports + textwrap.dedent(_PROBE), LOCAL_RANK="1")
+    assert got["deepspeed_before_adaptor"] is (order == "deepspeed_first")
+    assert got["cls"] == "PortspeedCpuAccelerator" and got["backed_by_adapter"] and got["engine_sees_same"]
+    assert got["device_is_torch_device"] and got["device"] == "cpu"  # stock: None
+    assert got["current_device_type"] == "int"  # stock: the LOCAL_RANK string
+    assert isinstance(got["fp16"], bool)  # stock: None when mkldnn lacks fp16
+    assert got["backend"] == got["adapter_backend"] == "gloo"
+    assert got["shm_builder"], "DeepSpeed's shared-memory comm kernel would bypass the routed backend"
+
+
+def test_importing_the_adaptor_does_not_import_deepspeed() -> None:
+    """`import portspeed.deepspeed_adaptor` leaves DeepSpeed unimported (its hook waits for DeepSpeed's import)."""
+    got = _child("""
+        import sys, json, portspeed.deepspeed_adaptor, portspeed
+        print(json.dumps({"ds": "deepspeed" in sys.modules,
+                          "status": {r["name"]: r["status"] for r in portspeed.report()}}))
+    """)
+    assert got["ds"] is False
+    assert got["status"]["deepspeed.comm.init_distributed.backend"] == "pending"
+
+
+def test_ds_accelerator_env_contradiction_raises() -> None:
+    """DS_ACCELERATOR naming another device than the adapter's fails DeepSpeed's import with a ConfigError saying what to do."""
+    proc = subprocess.run([sys.executable, "-c", "import portspeed.deepspeed_adaptor, deepspeed"],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=_clean_env(DS_ACCELERATOR="cuda"))
+    assert proc.returncode != 0
+    assert "DS_ACCELERATOR='cuda'" in proc.stderr and "PORTSPEED_ACCELERATOR" in proc.stderr
+
+
+def test_mpi_discovery_still_runs_and_nccl_is_routed() -> None:
+    """Without launcher variables DeepSpeed still runs its MPI discovery (here a FAKE one), then 'nccl' becomes Gloo."""
+    got = _child("""
+        import json, os, socket
+        import portspeed.deepspeed_adaptor, portspeed, deepspeed
+        import deepspeed.comm.comm as ds_comm
+        import torch.distributed as dist
+        from portspeed import router
+        calls = []
+        def fake_mpi_discovery(distributed_port=29500, verbose=True):  # FAKE: no mpi4py here
+            s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(port))
+            calls.append(distributed_port)
+        ds_comm.mpi_discovery = fake_mpi_discovery
+        deepspeed.init_distributed(dist_backend="nccl", distributed_port=12345)
+        rec = {r["name"]: r for r in portspeed.report()}
+        print(json.dumps({"calls": calls, "real": router.real_backend(), "asked": dist.get_backend(),
+                          "detail": rec["deepspeed.comm.init_distributed.backend"]["detail"]}))
+        dist.destroy_process_group()
+    """)
+    assert got["calls"] == [12345]
+    assert got["real"] == "gloo" and got["asked"] == "nccl"
+    assert "'nccl' -> 'gloo'" in got["detail"]
+
+
+def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
+    """Megatron-DeepSpeed style: both adaptors in one process; every patch once, both sets reported, revert restores all."""
+    if not (ROOT / "portspeed" / "megatron_adaptor.py").exists():
+        pytest.skip("portspeed.megatron_adaptor is not in this tree yet")
+    got = _child("""
+        import json, importlib, sys
+        import torch.distributed, megatron.core, deepspeed
+        from deepspeed.accelerator import real_accelerator
+        from portspeed.patches import torch_cuda, torch_distributed, deepspeed as ds_patches
+        from portspeed.patches.megatron import all_patches
+        from portspeed.manager import _resolve
+
+        declared = torch_cuda.PATCHES + torch_distributed.PATCHES + ds_patches.PATCHES + all_patches()
+        def current(target):
+            mod, _, path = target.partition(":")
+            if mod not in sys.modules:
+                return None
+            try:
+                owner, attr = _resolve(sys.modules[mod], tuple(path.split(".")))
+            except AttributeError:
+                return None
+            return owner.__dict__.get(attr, getattr(owner, attr)) if hasattr(owner, "__dict__") else getattr(owner, attr)
+        before = {p.target: current(p.target) for p in declared}
+        slot_before = real_accelerator.ds_accelerator
+
+        import portspeed, portspeed.megatron_adaptor, portspeed.deepspeed_adaptor
+        portspeed.deepspeed_adaptor.activate(); portspeed.megatron_adaptor.activate()  # again: no-ops
+        mgr = portspeed.manager()
+        report = portspeed.report()
+        names = [r["name"] for r in report]
+        applied = [r for r in report if r["status"] == "applied"]
+        chains = {t: mgr.chain(t) for t in {r["target"] for r in applied}}
+        dup_chains = {t: c for t, c in chains.items() if len(c) != len(set(c))}
+        wrappers_per_target = {}
+        for r in applied:
+            wrappers_per_target.setdefault(r["target"], []).append(r["name"])
+        chain_mismatch = {t: (chains[t], ns) for t, ns in wrappers_per_target.items()
+                          if sorted(c.split(" ")[1] for c in chains[t][1:] if c.startswith("wrapper"))
+                          != sorted(n for n in ns if next(x for x in report if x["name"] == n)["kind"] == "wrap")}
+        slot_patched = type(real_accelerator.ds_accelerator).__name__
+        changed = sorted(t for t in before if before[t] is not None and current(t) is not before[t])
+
+        mgr.revert()
+        after = {t: current(t) for t in before}
+        not_restored = sorted(t for t in before if before[t] is not None and after[t] is not before[t])
+        print(json.dumps({
+            "n": len(names), "unique": len(set(names)),
+            "megatron": sum(n.startswith("megatron") for n in names),
+            "deepspeed": sorted(n for n in names if n.startswith("deepspeed")),
+            "router": sum(n.startswith("torch.distributed") for n in names),
+            "dup_chains": dup_chains, "chain_mismatch": {k: str(v) for k, v in chain_mismatch.items()},
+            "slot_patched": slot_patched, "changed": len(changed),
+            "slot_after": type(real_accelerator.ds_accelerator).__name__,
+            "slot_before": type(slot_before).__name__,
+            "not_restored": not_restored,
+            "statuses_after": sorted({r["status"] for r in portspeed.report()}),
+        }))
+    """)
+    assert got["n"] == got["unique"]
+    assert got["megatron"] > 0 and got["router"] > 0
+    assert got["deepspeed"] == ["deepspeed.accelerator", "deepspeed.comm.init_distributed.backend"]
+    assert got["dup_chains"] == {} and got["chain_mismatch"] == {}
+    assert got["slot_patched"] == "PortspeedCpuAccelerator" and got["changed"] > 0
+    assert got["slot_after"] == got["slot_before"] == "CPU_Accelerator"
+    assert got["not_restored"] == []
+    assert "applied" not in got["statuses_after"]
+
+
+# ---------------------------------------------------------------------- the accelerator object, in this process
+def test_generic_accelerator_on_fake_xpu_delegates_to_adapter() -> None:
+    """On a non-CPU adapter (FAKE xpu runtime) the DeepSpeed accelerator passes DeepSpeed's check and delegates."""
+    from fakes import fake_torch_xpu
+
+    from deepspeed.accelerator.real_accelerator import _validate_accelerator
+    from portspeed.adapters.xpu import XpuAccelerator
+    from portspeed.ds_accelerator import PortspeedAccelerator, build_ds_accelerator
+
+    with fake_torch_xpu.installed(count=2) as state:
+        adapter = XpuAccelerator()
+        acc = build_ds_accelerator(adapter)
+        _validate_accelerator(acc)
+        assert isinstance(acc, PortspeedAccelerator)
+        acc.set_device(1)
+        assert acc.current_device() == 1 and acc.current_device_name() == "xpu:1"
+        assert acc.device() == torch.device("xpu", 1) and acc.device_name(0) == "xpu:0"
+        assert acc.device_count() == 2
+        assert acc.communication_backend_name() == adapter.communication_backend
+        assert not acc.is_synchronized_device()
+        assert acc.create_op_builder("FusedAdamBuilder") is None
+        before = acc.memory_allocated(1)
+        state.fake_allocate(4096, 1)
+        assert acc.memory_allocated(1) == before + 4096
+        acc.manual_seed(7)
+        assert acc.initial_seed() == 7
+
+
+def test_build_rejects_non_adapter() -> None:
+    """build_ds_accelerator names what it needs when given something else."""
+    from portspeed.ds_accelerator import build_ds_accelerator
+
+    with pytest.raises(TypeError, match="portspeed.get_accelerator"):
+        build_ds_accelerator("cpu")  # type: ignore[arg-type]
