@@ -63,8 +63,24 @@ def megatron_patches() -> list[Patch]:
     return out
 
 
+def _ensure_log_output() -> None:
+    """Make portspeed's own warnings (fallbacks, dropped options) visible on stderr at PORTSPEED_LOG_LEVEL.
+
+    The package logger only has a NullHandler; an application that configured logging
+    itself (any non-Null handler on "portspeed" or the root logger) is left alone.
+    """
+    plog = logging.getLogger("portspeed")
+    if any(not isinstance(h, logging.NullHandler) for h in plog.handlers + logging.getLogger().handlers):
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    plog.addHandler(handler)
+    plog.setLevel(config.settings().log_level)
+
+
 def activate() -> None:
     """Enable the scoped translation and register + apply the patch set (idempotent)."""
+    _ensure_log_output()
     translation.enable()
     from portspeed.patches.megatron import training_imports
 

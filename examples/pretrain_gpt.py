@@ -1,0 +1,295 @@
+"""Pretrain a tiny GPT on megatron-core alone (no megatron.training), on whatever accelerator portspeed picks.
+
+Launch with torchrun; the layout is TP x PP x DP = world size::
+
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 4 --master-port 29511 \\
+        examples/pretrain_gpt.py --tp 2 --pp 2 --iters 10 --loss-log /tmp/tp2pp2.json
+
+Each iteration prints ``iteration N | lm loss: X | grad norm: Y`` (full float precision)
+from the rank that holds the loss. Data is mock data generated from ``--seed`` and the
+iteration number, the same global batch for every layout, so layouts that start from the
+same weights (``--load DIR --finetune`` of a checkpoint written with ``--iters 0 --save DIR``)
+must print the same losses. ``--fail-at RANK:ITER`` makes one rank die there (fault tests).
+"""
+
+import portspeed.megatron_adaptor  # noqa: F401  (first: translation + patches before Megatron loads)
+
+import argparse
+import datetime
+import functools
+import math
+import os
+import sys
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from portspeed import config as ps_config
+from portspeed import get_accelerator
+from portspeed.megatron_adaptor import open_loss_log
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line; layout checks that argparse cannot express are in ``check_args``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (needs --pp > 1)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (implied: world / (tp*pp)); checked if given")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=32)
+    p.add_argument("--vocab-size", type=int, default=128, help="must be divisible by --tp (no padding here)")
+    p.add_argument("--iters", type=int, default=10, help="iterations to run (after the loaded one)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--bf16", action="store_true", help="bf16 params and compute (fp32 main weights)")
+    p.add_argument("--recompute", action="store_true", help="full activation recompute, uniform, 1 layer per chunk")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
+    p.add_argument("--save", default=None, help="torch_dist checkpoint directory written after the last iteration")
+    p.add_argument("--load", default=None, help="torch_dist checkpoint directory to start from")
+    p.add_argument("--finetune", action="store_true", help="with --load: weights only, start at iteration 0")
+    p.add_argument("--loss-log", default=None, help="JSON loss record (default: PORTSPEED_LOSS_LOG)")
+    p.add_argument("--backend", default=None, help="c10d backend (default: the adapter's)")
+    p.add_argument("--fail-at", default=None, metavar="RANK:ITER", help="fault injection: RANK exits at ITER")
+    args = p.parse_args(argv)
+    check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    return args
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Reject layouts that cannot work, naming the flag and the fix."""
+    def fail(msg: str) -> None:
+        raise SystemExit(f"pretrain_gpt.py: {msg}")
+
+    if world % (args.tp * args.pp):
+        fail(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}")
+    dp = world // (args.tp * args.pp)
+    if args.dp is not None and args.dp != dp:
+        fail(f"--dp {args.dp} does not match world {world} / (tp {args.tp} x pp {args.pp}) = {dp}")
+    args.dp = dp
+    if args.vocab_size % args.tp:
+        fail(f"--vocab-size {args.vocab_size} must be divisible by --tp {args.tp} so every layout sees the same vocabulary")
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        fail(f"--global-batch-size {args.global_batch_size} must be a multiple of micro-batch "
+             f"{args.micro_batch_size} x dp {dp}")
+    if args.vpp is not None:
+        if args.pp < 2 or args.vpp < 2:
+            fail("--vpp needs --pp >= 2 and --vpp >= 2")
+        if args.num_layers % (args.pp * args.vpp):
+            fail(f"--num-layers {args.num_layers} must be divisible by pp x vpp = {args.pp * args.vpp}")
+    elif args.num_layers % args.pp:
+        fail(f"--num-layers {args.num_layers} must be divisible by --pp {args.pp}")
+    if args.sequence_parallel and args.tp < 2:
+        fail("--sequence-parallel needs --tp >= 2")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.finetune and not args.load:
+        fail("--finetune needs --load DIR")
+    args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    args.fail_rank = args.fail_iter = None
+    if args.fail_at:
+        try:
+            r, i = args.fail_at.split(":")
+            args.fail_rank, args.fail_iter = int(r), int(i)
+        except ValueError:
+            fail(f"--fail-at {args.fail_at!r} must be RANK:ITER, e.g. 1:3")
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """torch.distributed on the adapter's backend, then Megatron's model-parallel groups."""
+    acc = get_accelerator()
+    acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = ps_config.settings().timeout
+    dist.init_process_group(backend=args.backend or acc.communication_backend,
+                            timeout=datetime.timedelta(seconds=timeout))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp,
+        distributed_timeout_minutes=max(1, math.ceil(timeout / 60)))
+    model_parallel_cuda_manual_seed(args.seed)
+
+
+def build_model(args: argparse.Namespace) -> tuple[list[DistributedDataParallel], TransformerConfig]:
+    """One GPTModel chunk per virtual stage, each wrapped in Megatron's DDP."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1) if args.recompute else {}
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=4 * args.hidden_size, tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=args.vpp,
+        sequence_parallel=args.sequence_parallel, hidden_dropout=0.0, attention_dropout=0.0,
+        # interleaving with 2 stages puts two sends between the same ranks in one batch: Megatron
+        # needs the overlapped (unbatched, even/odd ordered) p2p path there
+        overlap_p2p_comm=args.vpp is not None, batch_p2p_comm=args.vpp is None,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
+        **recompute)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None if not args.overlap_grad_reduce else 40000)
+    chunks = []
+    for vp in range(args.vpp or 1):
+        vp_stage = vp if args.vpp else None
+        pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                         vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
+                         pre_process=pre, post_process=post, share_embeddings_and_output_weights=True,
+                         vp_stage=vp_stage)
+        model.model_type = ModelType.encoder_or_decoder
+        if args.bf16:
+            model = model.to(torch.bfloat16)
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
+                                              disable_bucketing=vp > 0))
+    return chunks, config
+
+
+def global_batch(args: argparse.Namespace, iteration: int) -> torch.Tensor:
+    """The whole global batch of iteration ``iteration``: (global_batch, seq+1) token ids, layout-free."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + iteration)
+    return torch.randint(0, args.vocab_size, (args.global_batch_size, args.seq_length + 1), generator=g)
+
+
+def microbatches(args: argparse.Namespace, iteration: int) -> Iterator[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of ``iteration``."""
+    device = get_accelerator().device()
+    local = args.global_batch_size // args.dp
+    rows = global_batch(args, iteration)[ps.get_data_parallel_rank() * local:][:local]
+    s = args.seq_length
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1).to(device)  # True = masked (future tokens)
+    pos = torch.arange(s).unsqueeze(0).expand(args.micro_batch_size, s).to(device)
+    for j in range(args.num_microbatches):
+        mb = rows[j * args.micro_batch_size:(j + 1) * args.micro_batch_size].to(device)
+        yield {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous(), "position_ids": pos,
+               "attention_mask": mask, "loss_mask": torch.ones(args.micro_batch_size, s, device=device)}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean token loss of one micro-batch (every micro-batch has the same token count)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return out, functools.partial(loss_func, batch["loss_mask"])
+
+
+def sharded_state(model: list, optimizer: Any, iteration: int, with_optimizer: bool, loading: bool) -> dict:
+    sd: dict[str, Any] = {"iteration": iteration}
+    model_sd: dict[str, Any] = {}
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        model_sd[key] = chunk.module.sharded_state_dict()
+    sd.update(model_sd)
+    if with_optimizer:
+        flat = {}
+        for v in model_sd.values():
+            flat.update(v)
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd if len(model) > 1 else model_sd["model"],
+                                                       is_loading=loading)
+    return sd
+
+
+def load_checkpoint(args: argparse.Namespace, model: list, optimizer: Any) -> int:
+    """Load --load; returns the iteration to continue from (0 with --finetune)."""
+    with_opt = not args.finetune
+    sd = sharded_state(model, optimizer, 0, with_opt, loading=True)
+    state = dist_checkpointing.load(sd, args.load)
+    for i, chunk in enumerate(model):
+        chunk.module.load_state_dict(state["model" if len(model) == 1 else f"model{i}"])
+    if with_opt:
+        optimizer.load_state_dict(state["optimizer"])
+        return int(state["iteration"])
+    return 0
+
+
+def save_checkpoint(args: argparse.Namespace, model: list, optimizer: Any, iteration: int) -> None:
+    for chunk in model:
+        if args.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+    os.makedirs(args.save, exist_ok=True)
+    dist_checkpointing.save(sharded_state(model, optimizer, iteration, True, loading=False), args.save)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    init_distributed(args)
+    model, config = build_model(args)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=args.lr, bf16=args.bf16, params_dtype=torch.float32,
+                        use_distributed_optimizer=args.use_distributed_optimizer, clip_grad=1.0,
+                        weight_decay=0.01),
+        model)
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
+    start = load_checkpoint(args, model, optimizer) if args.load else 0
+
+    holds_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+    report = holds_loss and ps.get_data_parallel_rank() == 0
+    writer = None
+    if report:
+        layout = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "vpp": args.vpp}
+        writer = open_loss_log(args.loss_log, layout, "bf16" if args.bf16 else "fp32",
+                               backend=dist.get_backend())
+    fwd_bwd = get_forward_backward_func()
+    rank = dist.get_rank()
+    for it in range(start + 1, start + args.iters + 1):
+        if args.fail_rank == rank and args.fail_iter == it:
+            print(f"rank {rank}: --fail-at {args.fail_at}: exiting on purpose", file=sys.stderr, flush=True)
+            os._exit(17)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = [microbatches(args, it) for _ in model]
+        losses = fwd_bwd(forward_step_func=forward_step, data_iterator=data if len(model) > 1 else data[0],
+                         model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                         micro_batch_size=args.micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = optimizer.step()
+        if holds_loss:
+            loss = torch.stack([d["lm loss"] for d in losses]).mean()
+            dist.all_reduce(loss, group=ps.get_data_parallel_group())
+            loss = loss.item() / args.dp
+            if report:
+                gn = None if grad_norm is None else float(grad_norm)
+                print(f"iteration {it} | lm loss: {loss!r} | grad norm: {gn!r}", flush=True)
+                if writer is not None:
+                    writer.add(it, loss, gn, skipped=not ok)
+    if args.save:
+        save_checkpoint(args, model, optimizer, start + args.iters)
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
