@@ -29,10 +29,6 @@ class MusaAccelerator(Accelerator):
         fn = getattr(self.module, "is_bf16_supported", None)
         return bool(fn()) if fn is not None else False
 
-    def is_fp64_supported(self) -> bool:
-        # MTT S-series consumer GPUs lack native float64; do not rely on it.
-        return False
-
     def range_push(self, msg: str) -> None:
         pass
 

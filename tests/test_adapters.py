@@ -33,6 +33,7 @@ from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, 
 from portspeed import config  # noqa: E402
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
 from portspeed.capabilities import check_backend_name  # noqa: E402
+from portspeed.errors import MissingVendorPackageError  # noqa: E402
 
 ADAPTERS = ("cpu", "cuda", "npu", "xpu", "mlu", "musa", "hpu")
 #: adapters whose fake needs a PrivateUse1 rename, so a process of their own
@@ -56,7 +57,7 @@ def _expected(name: str) -> dict[str, Any]:
         # this CPU torch has no xccl and no oneccl bindings: the adapter names xccl and warns
         "xpu": dict(device_type="xpu", backend="xccl", bf16=True, fp16=True, fp64=True, verified=False),
         "mlu": dict(device_type="mlu", backend="cncl", bf16=True, fp16=True, fp64=False, verified=False),
-        "musa": dict(device_type="musa", backend="mccl", bf16=True, fp16=True, fp64=False, verified=False),
+        "musa": dict(device_type="musa", backend="mccl", bf16=True, fp16=True, fp64=True, verified=False),
         "hpu": dict(device_type="hpu", backend="hccl", bf16=True, fp16=True, fp64=False, verified=False),
     }
     return table[name]
@@ -309,6 +310,38 @@ def test_conformance(name: str, check: Callable[[Accelerator, Any, dict], None])
         return
     with adapter_under_test(name) as (acc, state), torch.random.fork_rng(devices=[]):
         check(acc, state, _expected(name))
+
+
+@pytest.mark.parametrize("name", ["npu", "mlu", "musa", "hpu"])
+def test_vendor_package_is_imported_only_by_load_vendor(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Importing an adapter and detecting its package import nothing of the vendor; load_vendor does.
+
+    The vendor package here is a tripwire on disk whose import raises.
+    """
+    import importlib
+
+    cls = adapter_class(name)
+    pkg_dir = tmp_path
+    for part in cls.vendor_modules[0].split("."):
+        pkg_dir = pkg_dir / part
+        pkg_dir.mkdir()
+        (pkg_dir / "__init__.py").write_text("")
+    (pkg_dir / "__init__.py").write_text(f"raise ImportError('tripwire: {cls.vendor_modules[0]} was imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    top = cls.vendor_modules[0].split(".")[0]
+    try:
+        module = importlib.reload(sys.modules[cls.__module__])
+        cls = getattr(module, cls.__name__)
+        assert cls.vendor_installed() is True
+        assert top not in sys.modules, "vendor_installed() must not import the vendor package"
+        with pytest.raises(MissingVendorPackageError, match="tripwire") as info:
+            cls.load_vendor()
+        assert cls.vendor_package in str(info.value)
+    finally:
+        for m in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+            del sys.modules[m]
 
 
 def test_every_builtin_adapter_is_covered() -> None:
