@@ -77,8 +77,16 @@ class XpuAccelerator(Accelerator):
 
     @property
     def communication_backend(self) -> str:
+        """PORTSPEED_BACKEND, else xccl when c10d has it, else ccl when oneCCL imports (decided once)."""
         if self._backend_override:
             return self._backend_override
+        resolved = self.__dict__.get("_resolved_backend")
+        if resolved is None:
+            resolved = self.__dict__["_resolved_backend"] = self._resolve_backend()
+        return resolved
+
+    @staticmethod
+    def _resolve_backend() -> str:
         if _c10d_has_xccl():
             return "xccl"
         if _oneccl_imports():

@@ -398,8 +398,11 @@ def test_xpu_backend_without_either_warns(monkeypatch: pytest.MonkeyPatch, caplo
 
     monkeypatch.setattr(dist, "is_xccl_available", lambda: False)
     with fake_torch_xpu.installed(oneccl=False), caplog.at_level(logging.WARNING, "portspeed"):
-        assert adapter_class("xpu")().communication_backend == "xccl"
+        acc = adapter_class("xpu")()
+        assert acc.communication_backend == "xccl"
+        assert acc.describe()["backend"] == "xccl"  # asked again: decided once, warned once
     assert "oneccl_bind_pt" in caplog.text
+    assert sum("oneccl_bind_pt" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_xpu_without_fp64_hardware() -> None:
