@@ -2,8 +2,8 @@
 
 torch_mlu follows the torch.cuda API (devices, streams, events, memory statistics,
 ``default_generators``), so the base class delegates to ``torch.mlu``. What differs:
-the backend is ``cncl``, profiling ranges go to ``torch.mlu.cnpx``, and float64 tensors are computed in float32 without an error,
-so float64 is reported as unsupported.
+the backend is ``cncl``, profiling ranges go to ``torch.mlu.cnpx``, and float64 tensors
+are computed in float32 without an error, so float64 is reported as unsupported.
 
 Not run on Cambricon hardware by this project: tested against ``tests/fakes/fake_torch_mlu.py``.
 """

@@ -150,7 +150,8 @@ def _patch_sets(settings: config.Settings, acc: Any) -> list[dict[str, Any]]:
             continue
         imported = sorted({f for f in _FRAMEWORKS if f in sys.modules} - before)
         if imported:
-            entry["warning"] = f"loading this patch set imported {', '.join(imported)} (a patch module imports it at top level)"
+            entry["warning"] = (f"loading this patch set imported {', '.join(imported)} "
+                                "(a patch module imports it at top level)")
         rows = []
         for p in patches:
             state, why = evaluate_gate(p, settings, acc)

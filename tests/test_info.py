@@ -53,7 +53,9 @@ def test_json_report_versions_come_from_metadata(capsys: pytest.CaptureFixture[s
         assert report["versions"][name] == (str(v) if v is not None else "not installed")
 
 
-def test_absent_distribution_reads_not_installed(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_absent_distribution_reads_not_installed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A framework that is not installed is reported as such, not as an error."""
     real = info.distribution_version
     monkeypatch.setattr(info, "distribution_version", lambda n: None if n == "deepspeed" else real(n))
@@ -85,7 +87,9 @@ def test_fake_vendor_shows_installed_available_selected(capsys: pytest.CaptureFi
     assert report["selected"]["backend"] == "hccl" and report["selected"]["reason"] == "auto-detected"
 
 
-def test_missing_vendor_package_is_reported_with_exit_1(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_vendor_package_is_reported_with_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PORTSPEED_ACCELERATOR=npu without torch_npu: the report says what to install and exits 1."""
     monkeypatch.setenv("PORTSPEED_ACCELERATOR", "npu")
     config.reload()
@@ -96,7 +100,9 @@ def test_missing_vendor_package_is_reported_with_exit_1(capsys: pytest.CaptureFi
     assert " no " in npu_line  # not installed, not available
 
 
-def test_invalid_settings_are_reported_with_exit_1(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_invalid_settings_are_reported_with_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A garbage PORTSPEED_* value does not crash the report: it is shown, and the exit status is 1."""
     monkeypatch.setenv("PORTSPEED_TIMEOUT", "soon")
     with pytest.raises(ConfigError):
