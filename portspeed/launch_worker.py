@@ -5,24 +5,37 @@ Started by torchrun (through `portspeed run`) as::
     python -m portspeed.launch_worker --adaptor MODULE [--module] -- SCRIPT [ARGS...]
 
 The script sees what it would see under plain ``python SCRIPT ARGS``: ``__name__`` is
-``"__main__"``, ``sys.argv`` is ``[SCRIPT, *ARGS]``, and ``sys.path[0]`` is the script's
-folder (``-m``: the working directory). The only difference is that the adaptor module
-(``portspeed.megatron_adaptor`` by default) was imported first, so its patches are in
-place before the script's first ``import megatron``.
+``"__main__"``, ``sys.argv`` is ``[SCRIPT, *ARGS]``, ``__file__`` is the script, and
+``sys.path[0]`` is the script's folder (``-m``: the working directory). The difference is
+that the adaptor module (``portspeed.megatron_adaptor`` by default) was imported first, so
+its patches are in place before the script's first ``import megatron``.
+
+Processes the script starts with multiprocessing's *spawn* or *forkserver* method (torch's
+asynchronous checkpoint writer, DataLoader workers under spawn) re-create ``__main__``
+from ``__main__.__spec__``. The script's ``__main__`` therefore carries this module's
+spec, as under ``python -m``: a spawned child re-enters here as ``__mp_main__``, imports
+the adaptor (named in ``PORTSPEED_RUN_ADAPTOR``) and runs the script's top level as
+``__mp_main__``, exactly as spawn does for a plain script, so what the parent pickled by
+reference to ``__main__`` resolves. Forked children inherit everything anyway.
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
 import importlib
+import importlib.util
 import os
-import runpy
 import sys
+import types
+from typing import Any
 
-__all__ = ["main", "ADAPTOR_ENV"]
+__all__ = ["main", "ADAPTOR_ENV", "TARGET_ENV"]
 
-#: set in the worker's environment to the adaptor module it imported ("none" when none)
+#: the adaptor module imported in the worker ("none": none); spawned children read it
 ADAPTOR_ENV = "PORTSPEED_RUN_ADAPTOR"
+#: "path:<abs script>" or "module:<name>": what a spawned child re-runs as __mp_main__
+TARGET_ENV = "PORTSPEED_RUN_TARGET"
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -45,24 +58,72 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return opts, rest
 
 
+def _import_adaptor(name: str | None) -> None:
+    if name and name != "none":
+        importlib.import_module(name)
+
+
+def _code_of(target: str) -> tuple[Any, dict[str, Any]]:
+    """Compiled code of ``path:<file>`` or ``module:<name>``, and the globals it runs with."""
+    kind, _, what = target.partition(":")
+    if kind == "path":
+        with open(what, "rb") as f:
+            source = f.read()
+        return compile(source, what, "exec"), {"__file__": what, "__package__": None, "__cached__": None}
+    spec = importlib.util.find_spec(what)
+    if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+        raise SystemExit(f"portspeed.launch_worker: cannot find the code of module {what!r}")
+    if spec.submodule_search_locations is not None:  # a package: run its __main__, as python -m does
+        spec = importlib.util.find_spec(f"{what}.__main__")
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"portspeed.launch_worker: package {what!r} has no __main__ module")
+    code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
+    return code, {"__file__": spec.origin, "__package__": spec.parent, "__cached__": None}
+
+
+def _run_as_main(target: str) -> None:
+    """Run the script's code in a fresh ``__main__`` whose spec is this module's (see the docstring)."""
+    code, extra = _code_of(target)
+    main_mod = types.ModuleType("__main__")
+    main_mod.__dict__.update(extra)
+    main_mod.__dict__.update(__builtins__=builtins, __loader__=None,
+                             __spec__=importlib.util.find_spec("portspeed.launch_worker"))
+    sys.modules["__main__"] = main_mod
+    exec(code, main_mod.__dict__)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Import the adaptor named on the command line, then run the script in this process."""
     opts, rest = _parse(list(sys.argv[1:] if argv is None else argv))
-    target, script_args = rest[0], rest[1:]
+    what, script_args = rest[0], rest[1:]
     if opts.local_rank is not None:
         script_args = [f"--local-rank={opts.local_rank}", *script_args]
     os.environ[ADAPTOR_ENV] = opts.adaptor
-    if opts.adaptor != "none":
-        importlib.import_module(opts.adaptor)
+    _import_adaptor(opts.adaptor)
     if opts.module:
-        sys.argv = [target, *script_args]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        target = f"module:{what}"
+    else:
+        script = os.path.abspath(what)
+        target = f"path:{script}"
+        sys.path[0] = os.path.dirname(script)
+    os.environ[TARGET_ENV] = target
+    sys.argv = [what, *script_args]
+    _run_as_main(target)
+
+
+def _spawned_child() -> None:
+    """In a spawn/forkserver child: adaptor first, then the script's top level as __mp_main__."""
+    target = os.environ.get(TARGET_ENV)
+    if not target:
         return
-    script = os.path.abspath(target)
-    sys.argv = [target, *script_args]
-    sys.path[0] = os.path.dirname(script)
-    runpy.run_path(script, run_name="__main__")
+    _import_adaptor(os.environ.get(ADAPTOR_ENV))
+    code, extra = _code_of(target)
+    ns = globals()
+    ns.update(extra)
+    exec(code, ns)
 
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":
+    _spawned_child()

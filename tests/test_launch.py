@@ -17,22 +17,35 @@ TIMEOUT = 180  # seconds; a hung launch fails instead of hanging CI
 
 PROBE = textwrap.dedent(
     """
-    import json, os, sys
-    out = sys.argv[sys.argv.index("--out") + 1]
-    rank = int(os.environ["RANK"])
-    record = {
-        "rank": rank,
-        "world_size": int(os.environ["WORLD_SIZE"]),
-        "name": __name__,
-        "argv": sys.argv,
-        "path0": sys.path[0],
-        "adaptors": sorted(m for m in sys.modules if m.endswith("_adaptor")),
-        "marker": getattr(sys.modules.get("probe_pkg.probe_adaptor"), "IMPORTED_BEFORE_SCRIPT", None),
-    }
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(record, f)
-    if "--fail-on-rank1" in sys.argv and rank == 1:
-        sys.exit(3)
+    import json, multiprocessing, os, sys
+
+
+    def spawned(path):
+        # runs in a spawn child: defined in the script, so the child must re-create __main__
+        with open(path, "w") as f:
+            json.dump({"adaptor": "probe_pkg.probe_adaptor" in sys.modules, "name": __name__}, f)
+
+
+    if __name__ == "__main__":
+        out = sys.argv[sys.argv.index("--out") + 1]
+        rank = int(os.environ["RANK"])
+        record = {
+            "rank": rank,
+            "world_size": int(os.environ["WORLD_SIZE"]),
+            "name": __name__,
+            "argv": sys.argv,
+            "path0": sys.path[0],
+            "adaptors": sorted(m for m in sys.modules if m.endswith("_adaptor")),
+            "marker": getattr(sys.modules.get("probe_pkg.probe_adaptor"), "IMPORTED_BEFORE_SCRIPT", None),
+        }
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+        if "--spawn" in sys.argv and rank == 0:
+            child = multiprocessing.get_context("spawn").Process(target=spawned, args=(os.path.join(out, "child.json"),))
+            child.start()
+            child.join(120)
+        if "--fail-on-rank1" in sys.argv and rank == 1:
+            sys.exit(3)
     """
 )
 
@@ -65,10 +78,11 @@ def probe(tmp_path: Path) -> Path:
 
 @pytest.mark.multiproc
 def test_two_workers_import_the_adaptor_then_run_the_script_as_main(probe: Path) -> None:
-    """Each of 2 workers has the adaptor imported and sees the script's own argv, __main__ and folder."""
+    """Each of 2 workers has the adaptor imported and sees the script's own argv, __main__ and folder;
+    a child it spawns (multiprocessing spawn) imports the adaptor before re-running the script's top level."""
     out = probe / "out"
     res = _portspeed_run(
-        ["--nproc-per-node", "2", "--adaptor", "probe_pkg.probe_adaptor", "probe.py", "--out", str(out), "--x", "1"],
+        ["--nproc-per-node", "2", "--adaptor", "probe_pkg.probe_adaptor", "probe.py", "--out", str(out), "--spawn"],
         cwd=probe, env=_env(probe),
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -77,9 +91,11 @@ def test_two_workers_import_the_adaptor_then_run_the_script_as_main(probe: Path)
         assert rec["rank"] == r and rec["world_size"] == 2
         assert rec["name"] == "__main__"
         assert rec["marker"] is True, "the adaptor was not imported before the script ran"
-        assert rec["argv"][1:] == ["--out", str(out), "--x", "1"]
+        assert rec["argv"][1:] == ["--out", str(out), "--spawn"]
         assert Path(rec["argv"][0]).name == "probe.py"
         assert Path(rec["path0"]) == probe
+    child = json.loads((out / "child.json").read_text())
+    assert child == {"adaptor": True, "name": "__mp_main__"}, "a spawned child did not import the adaptor first"
 
 
 @pytest.mark.multiproc

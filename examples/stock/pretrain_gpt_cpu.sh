@@ -25,7 +25,7 @@ exec $PORTSPEED run --nproc-per-node "$NPROC" "$MEGATRON_LM_ROOT/pretrain_gpt.py
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
     --seq-length 32 --max-position-embeddings 32 \
     --micro-batch-size 2 --global-batch-size 8 \
-    --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 \
+    --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --lr-decay-iters 10 \
     --weight-decay 0.01 --clip-grad 1.0 --seed 1234 \
     --attention-dropout 0.0 --hidden-dropout 0.0 \
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
