@@ -49,6 +49,7 @@ __all__ = [
     "capabilities_for",
     "check_backend_name",
     "op_type",
+    "CANONICAL_OPS",
 ]
 
 #: Backend names portspeed knows, with the device type they serve.
@@ -76,13 +77,20 @@ RedOpType = dist.ReduceOp.RedOpType
 _R = dist.ReduceOp
 
 
+#: The RedOpType members, one object each (pybind returns fresh enum objects from
+#: properties such as ``ReduceOp.op``, and comparing them with == is slow): tables and the
+#: router compare these by identity.
+CANONICAL_OPS: dict[int, Any] = {int(v): v for v in RedOpType.__members__.values()}
+CANONICAL_OP_IDS = frozenset(id(v) for v in CANONICAL_OPS.values())
+
+
 def op_type(op: Any) -> Any:
-    """The ``RedOpType`` of ``op`` (a RedOpType already, or a ReduceOp object such as PREMUL_SUM)."""
-    if type(op) is RedOpType:
+    """The canonical ``RedOpType`` member of ``op`` (a RedOpType, or a ReduceOp object such as PREMUL_SUM)."""
+    if id(op) in CANONICAL_OP_IDS:
         return op
-    inner = getattr(op, "op", None)
+    inner = op if type(op) is RedOpType else getattr(op, "op", None)
     if type(inner) is RedOpType:
-        return inner
+        return CANONICAL_OPS[int(inner)]
     raise TypeError(f"{op!r} is not a torch.distributed.ReduceOp; pass a member such as dist.ReduceOp.SUM")
 
 
@@ -96,8 +104,13 @@ class Gap:
     op: Any = None
     dtype: torch.dtype | None = None
 
+    def __post_init__(self) -> None:
+        if self.op is not None:
+            object.__setattr__(self, "op", op_type(self.op))  # canonical: compared by identity
+
     def matches(self, op: Any, dtype: torch.dtype | None) -> bool:
-        return (self.op is None or self.op == op) and (self.dtype is None or self.dtype == dtype)
+        """Whether a call with this (canonical) op and dtype falls in the gap."""
+        return (self.op is None or self.op is op) and (self.dtype is None or self.dtype is dtype)
 
     def as_dict(self) -> dict[str, str]:
         return {
@@ -123,7 +136,13 @@ class Capabilities:
         # dtype gaps first: the router then computes in a supported dtype before other rewrites
         for g in sorted(self.gaps, key=lambda g: g.dtype is None):
             index[g.collective] = index.get(g.collective, ()) + (g,)
+        # per collective: (ids of ops with gaps, some gap covers every op, dtypes with gaps)
+        quick = {c: (frozenset(id(g.op) for g in gs if g.op is not None), any(g.op is None and g.dtype is None
+                                                                               for g in gs),
+                     frozenset(g.dtype for g in gs if g.dtype is not None))
+                 for c, gs in index.items()}
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_quick", quick)
 
     @property
     def missing(self) -> frozenset[str]:
@@ -137,10 +156,15 @@ class Capabilities:
     def gap(self, collective: str, op: Any = None, dtype: torch.dtype | None = None) -> Gap | None:
         """The first gap matching this call, or None when the backend does it right."""
         gaps = self._index.get(collective)  # type: ignore[attr-defined]
-        if not gaps:
+        if gaps is None:
             return None
+        if op is not None and id(op) not in CANONICAL_OP_IDS:
+            op = op_type(op)
+        op_ids, every_op, dtypes = self._quick[collective]  # type: ignore[attr-defined]
+        if not every_op and id(op) not in op_ids and dtype not in dtypes:
+            return None  # the common case, decided without comparing pybind enums
         for g in gaps:
-            if (g.op is None or g.op == op) and (g.dtype is None or g.dtype == dtype):
+            if (g.op is None or g.op is op) and (g.dtype is None or g.dtype is dtype):
                 return g
         return None
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .capabilities import KNOWN_BACKENDS, Capabilities, Gap, capabilities_for, op_type
+from .capabilities import CANONICAL_OPS, KNOWN_BACKENDS, Capabilities, Gap, capabilities_for, op_type
 from .errors import CollectiveUnsupportedError, UnknownBackendError
 
 __all__ = [
@@ -77,6 +77,8 @@ _FLOAT32 = torch.float32
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn and delegate)
 _RS_TENSOR = "reduce_scatter_single" if hasattr(c10d, "reduce_scatter_single") else "reduce_scatter_tensor"
 _AG_TENSOR = "all_gather_single" if hasattr(c10d, "all_gather_single") else "all_gather_into_tensor"
+
+_CANONICAL_OP_IDS = frozenset(id(v) for v in CANONICAL_OPS.values())
 
 _lock = threading.RLock()
 _REQUESTED: dict[Any, str] = {}  # process group -> backend name the caller asked for
@@ -439,7 +441,7 @@ def _gap(collective: str, group: Any, op: Any, tensor: torch.Tensor) -> Gap | No
     caps = _CAPS.get(group)
     if caps is None or type(caps) is dict:
         caps = capabilities_of(group, tensor.device.type)
-    return caps.gap(collective, op if type(op) is RedOpType else op_type(op), tensor.dtype)
+    return caps.gap(collective, op, tensor.dtype)
 
 
 def _upcast_target(collective: str, gap: Gap, t: torch.Tensor) -> torch.dtype:
@@ -640,10 +642,30 @@ def all_to_all(wrapped: Callable, output_tensor_list: list, input_tensor_list: l
     return _run_rewrite("all_to_all", gap, group, async_op, body)
 
 
-def _adapter(name: str, fn: Callable) -> Callable:
-    """A wrapt wrapper ``(wrapped, instance, args, kwargs)`` around a routed collective."""
+def _adapter(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: int | None,
+             group_at: int) -> Callable:
+    """A wrapt wrapper ``(wrapped, instance, args, kwargs)`` around a routed collective.
+
+    The hot path is inlined here: when the group's table is cached and lists no gap for
+    this op and dtype, the original is called with the caller's own arguments, untouched.
+    ``tensor_at``/``op_at``/``group_at`` are the positions (and the tensor's keyword) of
+    the arguments in torch's signature.
+    """
+    t_pos, t_kw = tensor_at if tensor_at is not None else (-1, "")
 
     def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        n = len(args)
+        caps = _CAPS.get(args[group_at] if n > group_at else kwargs.get("group"))
+        if caps is not None and type(caps) is not dict:
+            quick = caps._quick.get(name)
+            if quick is None:
+                return wrapped(*args, **kwargs)
+            if tensor_at is not None and not quick[1]:
+                op = (args[op_at] if n > op_at else kwargs.get("op", _SUM)) if op_at is not None else None
+                tensor = args[t_pos] if n > t_pos else kwargs.get(t_kw)
+                oid = id(op)  # ReduceOp objects (PREMUL_SUM, ReduceOp(x)) are not canonical: slow path
+                if oid in _CANONICAL_OP_IDS and oid not in quick[0] and getattr(tensor, "dtype", None) not in quick[2]:
+                    return wrapped(*args, **kwargs)
         return fn(wrapped, *args, **kwargs)
 
     wrapper.__name__ = wrapper.__qualname__ = f"route_{name}"
@@ -654,8 +676,10 @@ def _adapter(name: str, fn: Callable) -> Callable:
 #: wrapt wrappers for the collectives the router handles, by torch.distributed function name
 #: (``reduce_scatter_single`` is torch 2.13's name for reduce_scatter_tensor; tables use the old name).
 COLLECTIVE_WRAPPERS: dict[str, Callable] = {
-    name: _adapter(name, f) for name, f in (
-        ("all_reduce", all_reduce), ("reduce", reduce), ("reduce_scatter_tensor", reduce_scatter_tensor),
-        ("reduce_scatter_single", reduce_scatter_tensor), ("reduce_scatter", reduce_scatter),
-        ("all_to_all", all_to_all))
+    "all_reduce": _adapter("all_reduce", all_reduce, (0, "tensor"), 1, 2),
+    "reduce": _adapter("reduce", reduce, (0, "tensor"), 2, 3),
+    "reduce_scatter_tensor": _adapter("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
+    "reduce_scatter_single": _adapter("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
+    "reduce_scatter": _adapter("reduce_scatter", reduce_scatter, (0, "output"), 2, 3),
+    "all_to_all": _adapter("all_to_all", all_to_all, None, None, 2),
 }

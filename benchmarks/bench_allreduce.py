@@ -1,0 +1,101 @@
+"""A/B: a small all_reduce through portspeed's router vs raw torch.distributed, same Gloo group.
+
+Why: the router sits in front of every all_reduce Megatron issues; on a backend that does
+the call right it must cost next to nothing (goal: ratio <= 1.02 for 4 KB on 2 ranks).
+
+Both arms run in one process group, in alternating blocks (A, B, A, B...), so machine
+noise hits both alike; the ratio is median(routed block) / median(raw block). Also
+printed: the router's own decision cost per call, measured without any collective.
+
+    /work/venv/bin/python benchmarks/bench_allreduce.py --world 2 --bytes 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import portspeed
+    from portspeed import router
+    from portspeed.adapters.cpu import CpuAccelerator
+    from portspeed.patches.torch_distributed import PATCHES
+
+    portspeed.set_accelerator(CpuAccelerator())
+    raw = dist.all_reduce  # the original, taken before patching
+    manager = portspeed.PatchManager()
+    manager.register(PATCHES)
+    manager.apply()
+    routed = dist.all_reduce
+    assert routed is not raw, "the router patch did not install"
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("nccl", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=120),
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    t = torch.ones(args.bytes // 4, dtype=torch.float32)
+    for _ in range(args.warmup):
+        raw(t)
+        routed(t)
+    times: dict[str, list[float]] = {"raw": [], "routed": []}
+    for b in range(args.blocks):
+        order = (("raw", raw), ("routed", routed)) if b % 2 == 0 else (("routed", routed), ("raw", raw))
+        for label, fn in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.iters):
+                fn(t)
+            times[label].append((time.perf_counter() - start) / args.iters)
+    # the router's decision alone: a no-op stands in for the collective
+    noop = lambda *a, **k: None  # noqa: E731
+    start = time.perf_counter()
+    for _ in range(20000):
+        router.all_reduce(noop, t)
+    decision_us = (time.perf_counter() - start) / 20000 * 1e6
+    dist.barrier()
+    if rank == 0:
+        raw_med, routed_med = statistics.median(times["raw"]), statistics.median(times["routed"])
+        print(json.dumps({
+            "world": n, "bytes": args.bytes, "blocks": args.blocks, "iters_per_block": args.iters,
+            "raw_us": round(raw_med * 1e6, 2), "routed_us": round(routed_med * 1e6, 2),
+            "ratio": round(routed_med / raw_med, 4), "router_decision_us": round(decision_us, 3),
+            "rewrites": router.stats(), "torch": torch.__version__,
+        }))
+    dist.destroy_process_group()
+    manager.revert()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--bytes", type=int, default=4096, help="message size in bytes, float32 (default 4096)")
+    p.add_argument("--blocks", type=int, default=40, help="alternating blocks per arm (default 40)")
+    p.add_argument("--iters", type=int, default=200, help="all_reduce calls per block (default 200)")
+    p.add_argument("--warmup", type=int, default=200, help="warm-up calls per arm (default 200)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")
+    args = p.parse_args(argv)
+    if args.bytes < 4 or args.bytes % 4:
+        p.error(f"--bytes must be a positive multiple of 4 (float32 elements), got {args.bytes}")
+    if "RANK" in os.environ:
+        _worker(args)
+        return 0
+    from portspeed.testing import run_ranks
+
+    results = run_ranks([__file__, *(argv if argv is not None else sys.argv[1:])], args.world, timeout=args.timeout)
+    for r in results:
+        if r.returncode != 0:
+            print(f"rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+            return 1
+    print(results[0].stdout.strip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
