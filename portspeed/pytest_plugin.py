@@ -2,9 +2,10 @@
 
 Fixtures:
 
-``portspeed_launch(script, *args, nproc=2, timeout=None, env=None, name=None) -> LossRecord``
+``portspeed_launch(script, *args, nproc=2, timeout=None, env=None, name=None, adaptor=None) -> LossRecord``
     Runs ``script`` under ``torch.distributed.run`` with ``nproc`` ranks on 127.0.0.1 and a
-    free port (``nproc=None``: one plain process), ``OMP_NUM_THREADS=1``, killed after
+    free port (``nproc=None``: one plain process; ``adaptor="megatron"`` etc.: through
+    ``portspeed run --adaptor``, so an unmodified script gets the adaptor in every worker), ``OMP_NUM_THREADS=1``, killed after
     ``timeout`` seconds (default: PORTSPEED_TIMEOUT, 300). The script writes its loss record
     to ``PORTSPEED_LOSS_LOG`` (also substituted for ``{record}`` in ``args``) or prints
     Megatron iteration lines (literal braces in ``args`` are written ``{{ }}``). Logs are kept under pytest's temporary directory; a failed or
@@ -130,7 +131,8 @@ def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
     counter = [0]
 
     def launch(script: str | os.PathLike[str], *args: Any, nproc: int | None = 2, timeout: float | None = None,
-               env: Mapping[str, str] | None = None, name: str | None = None) -> "LossRecord":
+               env: Mapping[str, str] | None = None, name: str | None = None,
+               adaptor: str | None = None) -> "LossRecord":
         __tracebackhide__ = True
         from .runspec import RunFailedError, RunSpec, run_one
         if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
@@ -139,10 +141,14 @@ def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
             raise pytest.UsageError(f"portspeed_launch: script {script} does not exist")
         counter[0] += 1
         run_name = name or f"{Path(script).stem}-{counter[0]}"
+        if adaptor is not None and nproc is None:
+            raise pytest.UsageError("portspeed_launch(adaptor=...) goes through `portspeed run`; give nproc too")
         if nproc is None:
             cmd = ["{python}", str(script)]
         else:
-            cmd = ["{python}", "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            launcher = ["-m", "torch.distributed.run"] if adaptor is None else \
+                ["-m", "portspeed.cli", "run", "--adaptor", adaptor]
+            cmd = ["{python}", *launcher, "--nproc-per-node", str(nproc),
                    "--master-addr", "127.0.0.1", "--master-port", "{port}", str(script)]
         cmd += [str(a) for a in args]
         full_env = {"OMP_NUM_THREADS": "1", **dict(env or {})}

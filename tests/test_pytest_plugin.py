@@ -87,13 +87,16 @@ def test_loss_golden_placeholder_missing_from_meta(pytester):
 
 @pytest.mark.multiproc
 def test_portspeed_launch_real_runs(pytester):
-    """Real launches: a 2-rank torchrun run matches a single process; a perturbed run and a crashing run fail."""
+    """Real launches: a 2-rank run (via `portspeed run`) matches a single process; a perturbed run and a
+    crashing 2-rank torchrun run fail, the crash with the rank's own message."""
     pytester.makepyfile(f"""
         TRAIN = {TRAIN!r}
 
         def test_dp2_matches_single(portspeed_launch, assert_losses_match):
             single = portspeed_launch(TRAIN, "--iters", "5", nproc=None, timeout=120)
-            dp2 = portspeed_launch(TRAIN, "--iters", "5", "--loss-log", "{{record}}", nproc=2, timeout=120)
+            # through `portspeed run` (the adaptor-importing launcher), with no adaptor: a plain 2-rank run
+            dp2 = portspeed_launch(TRAIN, "--iters", "5", "--loss-log", "{{record}}", nproc=2, timeout=120,
+                                   adaptor="none")
             assert dp2.meta["layout"]["dp"] == 2 and len(dp2.iterations) == 5
             assert_losses_match(dp2, single)
 
