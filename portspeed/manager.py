@@ -157,9 +157,10 @@ def _namespaces(modules: Iterable[Any], ids: Any) -> Iterator[tuple[Any, str]]:
         ns = getattr(mod, "__dict__", None)
         if not isinstance(ns, dict):
             continue
-        if not ids.isdisjoint(map(id, list(ns.values()))):
+        values = list(ns.values())
+        if not ids.isdisjoint(map(id, values)):
             yield ns, name
-        for cls in filter(_is_class, list(ns.values())):
+        for cls in filter(_is_class, values):
             d = cls.__dict__
             if d.get("__module__") == name and not ids.isdisjoint(map(id, list(d.values()))):
                 yield _ClassNamespace(cls), f"{name}.{cls.__qualname__}"
