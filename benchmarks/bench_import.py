@@ -37,6 +37,73 @@ def _time_once(code: str, env: dict[str, str]) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
+_BREAKDOWN = r"""
+import gc, json, sys, time
+T = time.process_time
+import torch
+spent = {}
+def timed(owner, attr, label):
+    orig = getattr(owner, attr, None)
+    if orig is None:
+        return
+    def run(*a, **k):
+        t = T()
+        try:
+            return orig(*a, **k)
+        finally:
+            spent[label] = spent.get(label, 0.0) + (T() - t) * 1e3
+    setattr(owner, attr, run)
+gc_ms = [0.0, 0]
+def on_gc(phase, info, _t=[0.0]):
+    if phase == "start":
+        _t[0] = T()
+    elif info["generation"] == 2:
+        gc_ms[0] += (T() - _t[0]) * 1e3
+        gc_ms[1] += 1
+gc.callbacks.append(on_gc)
+t0 = T()
+import portspeed
+spent["import portspeed"] = (T() - t0) * 1e3
+mm = sys.modules["portspeed.manager"]
+timed(mm.PatchManager, "apply", "PatchManager.apply")
+timed(mm.PatchManager, "_sweep", "  of which rebinding sweep")
+timed(mm.PatchManager, "_gate", "  of which gating (versions, conditions)")
+try:
+    import portspeed.translation as tr
+    timed(tr, "enable", "translation.enable")
+except ImportError:
+    pass
+acc = sys.modules["portspeed.accelerator"]
+timed(acc, "_entry_point_adapters", "accelerator entry-point scans")
+t1 = T()
+import MODULE
+spent["import MODULE (after portspeed)"] = (T() - t1) * 1e3
+spent["total after torch"] = (T() - t0) * 1e3
+spent["full (gen-2) garbage collections inside"] = gc_ms[0]
+print(json.dumps({"ms": spent, "gen2": gc_ms[1], "modules": len(sys.modules)}))
+"""
+
+
+def _breakdown(module: str, env: dict[str, str]) -> None:
+    """One child: where the CPU time of ``import module`` goes (after torch), full GCs separated."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _BREAKDOWN.replace("MODULE", module)], env=env,
+                         check=True, capture_output=True, text=True).stdout
+    data = json.loads(out.strip().splitlines()[-1])
+    print(f"breakdown of one run (CPU ms; {data['modules']} modules loaded; {data['gen2']} full GC):")
+    ms = data["ms"]
+    order = ["total after torch", "import portspeed", f"import {module} (after portspeed)",
+             "translation.enable", "accelerator entry-point scans", "PatchManager.apply",
+             "  of which rebinding sweep", "  of which gating (versions, conditions)",
+             "full (gen-2) garbage collections inside"]
+    for label in order + [k for k in ms if k not in order]:
+        if label in ms:
+            print(f"  {label:58} {ms[label]:7.1f}")
+    print("  (entry-point scans may run inside translation.enable; a full GC lands inside whichever step "
+          "allocates when the threshold is crossed)")
+
+
 def _module_available(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -49,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15, help="runs of each variant (default 15)")
     ap.add_argument("--module", default="portspeed.megatron_adaptor", help="what B imports after torch")
+    ap.add_argument("--breakdown", action="store_true", help="also print where one import spends its time")
     args = ap.parse_args(argv)
     if args.runs < 3:
         ap.error("--runs must be at least 3 to take a median")
@@ -75,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{what}: A median {ma:7.1f} ms, B median {mb:7.1f} ms, B - A paired median "
               f"{statistics.median(diffs):+7.1f} ms (quartiles {q[0]:+.1f} .. {q[2]:+.1f}), "
               f"ratio of medians {mb / ma:.3f}")
+    if args.breakdown:
+        _breakdown(module, env)
     return 0
 
 
