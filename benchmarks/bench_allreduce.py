@@ -3,9 +3,11 @@
 Why: the router sits in front of every all_reduce Megatron issues; on a backend that does
 the call right it must cost next to nothing (goal: ratio <= 1.02 for 4 KB on 2 ranks).
 
-Both arms run in one process group, in alternating blocks (A, B, A, B...), so machine
-noise hits both alike; the ratio is median(routed block) / median(raw block). Also
-printed: the router's own decision cost per call, measured without any collective.
+Both arms run in one process group, interleaved call by call with a rotating order, so
+machine noise hits every arm alike; the ratio is median(routed call) / median(raw call).
+A second raw arm gives the control ratio (raw vs raw: the method's own noise floor), and
+the ratio over five consecutive segments shows its spread. Also printed: the
+router's own decision cost per call, measured without any collective.
 
     /work/venv/bin/python benchmarks/bench_allreduce.py --world 2 --bytes 4096
 """
@@ -44,15 +46,29 @@ def _worker(args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         raw(t)
         routed(t)
-    times: dict[str, list[float]] = {"raw": [], "routed": []}
-    for b in range(args.blocks):
-        order = (("raw", raw), ("routed", routed)) if b % 2 == 0 else (("routed", routed), ("raw", raw))
-        for label, fn in order:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                fn(t)
-            times[label].append((time.perf_counter() - start) / args.iters)
+    arms: dict[str, object] = {"raw": raw, "raw_again": raw, "routed": routed}
+    if args.diagnose:  # where the cost comes from: wrapt alone, and the router's screen without wrapt
+        import wrapt
+
+        screen = router.COLLECTIVE_WRAPPERS["all_reduce"]
+        arms["wrapt_passthrough"] = wrapt.FunctionWrapper(raw, lambda w, i, a, k: w(*a, **k))
+        arms["screen_without_wrapt"] = lambda *a, **k: screen(raw, None, a, k)
+    names = list(arms)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    clock = time.perf_counter
+    for i in range(args.calls):  # interleave call by call, rotating which arm goes first
+        k0 = i % len(names)
+        for name in names[k0:] + names[:k0]:
+            fn = arms[name]
+            s0 = clock()
+            fn(t)
+            times[name].append(clock() - s0)
+    segments = 5
+    seg = args.calls // segments
+
+    def ratio(name: str, part: slice = slice(None)) -> float:
+        return statistics.median(times[name][part]) / statistics.median(times["raw"][part])
+
     # the router's decision alone: a no-op stands in for the collective
     noop = lambda *a, **k: None  # noqa: E731
     start = time.perf_counter()
@@ -61,11 +77,14 @@ def _worker(args: argparse.Namespace) -> None:
     decision_us = (time.perf_counter() - start) / 20000 * 1e6
     dist.barrier()
     if rank == 0:
-        raw_med, routed_med = statistics.median(times["raw"]), statistics.median(times["routed"])
         print(json.dumps({
-            "world": n, "bytes": args.bytes, "blocks": args.blocks, "iters_per_block": args.iters,
-            "raw_us": round(raw_med * 1e6, 2), "routed_us": round(routed_med * 1e6, 2),
-            "ratio": round(routed_med / raw_med, 4), "router_decision_us": round(decision_us, 3),
+            "world": n, "bytes": args.bytes, "calls_per_arm": args.calls,
+            "median_us": {k: round(statistics.median(v) * 1e6, 2) for k, v in times.items()},
+            "ratio": round(ratio("routed"), 4),
+            "control_ratio_raw_vs_raw": round(ratio("raw_again"), 4),
+            "segment_ratios": [round(ratio("routed", slice(k * seg, (k + 1) * seg)), 4) for k in range(segments)],
+            "other_ratios": {k: round(ratio(k), 4) for k in names if k not in ("raw", "raw_again", "routed")},
+            "router_decision_us": round(decision_us, 3),
             "rewrites": router.stats(), "torch": torch.__version__,
         }))
     dist.destroy_process_group()
@@ -76,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--bytes", type=int, default=4096, help="message size in bytes, float32 (default 4096)")
-    p.add_argument("--blocks", type=int, default=40, help="alternating blocks per arm (default 40)")
-    p.add_argument("--iters", type=int, default=200, help="all_reduce calls per block (default 200)")
+    p.add_argument("--calls", type=int, default=10000, help="timed calls per arm, interleaved (default 10000)")
+    p.add_argument("--diagnose", action="store_true",
+                   help="add arms: a wrapt pass-through wrapper, and the router's screen without wrapt")
     p.add_argument("--warmup", type=int, default=200, help="warm-up calls per arm (default 200)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")
     args = p.parse_args(argv)
+    if args.calls < 10:
+        p.error(f"--calls must be at least 10, got {args.calls}")
     if args.bytes < 4 or args.bytes % 4:
         p.error(f"--bytes must be a positive multiple of 4 (float32 elements), got {args.bytes}")
     if "RANK" in os.environ:
