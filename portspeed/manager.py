@@ -292,7 +292,7 @@ class PatchManager:
         patches = list(patches)
         with self._lock:
             was_active = self._active
-            added = [p.name for p in patches if p.name not in self._records]
+            added = list(dict.fromkeys(p.name for p in patches if p.name not in self._records))
             self.register(patches)  # on an active manager this applies them too
             if not was_active:
                 self._active = True

@@ -608,3 +608,20 @@ def test_replaced_constant_does_not_rebind_equal_immutables(mods: Modules, mgr: 
     assert (u.LIMIT, u.NAME) == (0, "cuda")   # documented limit: copies of immutables stay as they were
     mgr.revert()
     assert (t.LIMIT, t.NAME) == (0, "cuda")
+
+
+@pytest.mark.parametrize("order", ["import-first", "apply-first"])
+def test_package_reexport_of_a_submodule_function(mods: Modules, mgr: PatchManager, order: str) -> None:
+    """`pkg/__init__.py: from .impl import f` sees the patch of pkg.impl:f, whichever comes first."""
+    (mods.root / mods.pkg / "__init__.py").write_text("from .impl import f\n")
+    mods.write("impl", "def f(x):\n    return ('f', x)\n")
+    mgr.register([wrap("w", f"{mods.pkg}.impl:f")])
+    if order == "import-first":
+        pkg = imp(mods.pkg)
+        mgr.apply()
+    else:
+        mgr.apply()
+        pkg = imp(mods.pkg)
+    assert pkg.f(1) == ("w", ("f", 1)) and pkg.f is sys.modules[f"{mods.pkg}.impl"].f
+    mgr.revert()
+    assert pkg.f(1) == ("f", 1)
