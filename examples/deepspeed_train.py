@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-at", type=int, default=3, help="step after which to save (with --save-dir)")
     p.add_argument("--resume-from", default=None,
                    help="load each run's checkpoint from this directory and train the remaining steps")
-    p.add_argument("--megatron", action="store_true", help="also import portspeed.megatron_adaptor")
+    p.add_argument("--megatron", action="store_true",
+                   help="Megatron-DeepSpeed style: also import portspeed.megatron_adaptor and hand DeepSpeed "
+                        "Megatron-Core's parallel state (tensor/pipeline parallel 1) as its mpu")
     p.add_argument("--out", default=None, help="JSON file rank 0 writes the losses to")
     return p
 
@@ -114,7 +116,26 @@ def ds_config(stage: int, dtype: str, global_batch: int, world: int) -> dict[str
     }
 
 
-def train_run(args: argparse.Namespace, stage: int, dtype: str, data: tuple[Any, Any]) -> dict[str, Any]:
+def megatron_mpu() -> Any:
+    """Megatron-Core's parallel state under the names DeepSpeed asks an ``mpu`` for."""
+    import types
+
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    return types.SimpleNamespace(
+        get_model_parallel_rank=ps.get_tensor_model_parallel_rank,
+        get_model_parallel_world_size=ps.get_tensor_model_parallel_world_size,
+        get_model_parallel_group=ps.get_tensor_model_parallel_group,
+        get_data_parallel_rank=ps.get_data_parallel_rank,
+        get_data_parallel_world_size=ps.get_data_parallel_world_size,
+        get_data_parallel_group=ps.get_data_parallel_group,
+    )
+
+
+def train_run(args: argparse.Namespace, stage: int, dtype: str, data: tuple[Any, Any],
+              mpu: Any = None) -> dict[str, Any]:
     """One engine: train (or resume), return the global per-step losses."""
     import deepspeed
     import torch
@@ -126,7 +147,7 @@ def train_run(args: argparse.Namespace, stage: int, dtype: str, data: tuple[Any,
     micro = args.global_batch // world
     model = make_model(args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu,
                                            config=ds_config(stage, dtype, args.global_batch, world))
     tag = f"zero{stage}_{dtype}"
     start = 0
@@ -179,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         "ds_accelerator": type(deepspeed.accelerator.get_accelerator()).__name__,
         "runs": {},
     }
+    mpu = megatron_mpu() if args.megatron else None
     for stage, dtype in args.runs:
-        record["runs"][f"{stage}:{dtype}"] = train_run(args, stage, dtype, data)
+        record["runs"][f"{stage}:{dtype}"] = train_run(args, stage, dtype, data, mpu)
     if not args.no_portspeed:
         import portspeed
         import portspeed.router
