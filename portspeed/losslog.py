@@ -295,6 +295,8 @@ def read_record(path: str | os.PathLike[str]) -> LossRecord:
         text = p.read_text(encoding="utf-8", errors="replace")
     except OSError as e:
         raise LossLogError(f"{p}: cannot be read ({e})") from e
+    if "\x00" in text[:4096]:
+        raise LossLogError(f"{p}: unknown format (a binary file); give a Megatron log, a JSON loss record or a JSON run spec")
     stripped = text.lstrip()
     if stripped.startswith("{"):
         try:

@@ -144,6 +144,14 @@ def test_bad_inputs_name_the_problem(tmp_path, content, match):
     assert str(p) in str(ei.value)
 
 
+def test_binary_file_is_unknown_format(tmp_path):
+    """A binary file (a PNG given by mistake) is an unknown format, not a log without losses."""
+    p = tmp_path / "curves.png"
+    p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    with pytest.raises(LossLogError, match="unknown format"):
+        read_record(p)
+
+
 def test_missing_file_and_directory(tmp_path):
     """A missing path and a directory are refused with what to give instead."""
     with pytest.raises(LossLogError, match="no such file"):
