@@ -269,7 +269,7 @@ def check_backend_name(name: str) -> None:
             f"collective backend name must be a non-empty string, got {name!r}; known: "
             f"{', '.join(sorted(KNOWN_BACKENDS))}"
         )
-    registered = {b.lower() for b in getattr(dist.Backend, "backend_list", [])}
+    registered = {b.lower() for b in getattr(dist.Backend, "backend_list", [])} - {"undefined"}
     if name.lower() not in KNOWN_BACKENDS and name.lower() not in registered:
         known = sorted(set(KNOWN_BACKENDS) | registered)
         raise UnknownBackendError(

@@ -103,7 +103,7 @@ def _map_one(name: str, acc: Any) -> str:
         if device == "cpu" or device == acc.device_type:
             return low
         return target
-    registered = {b.lower() for b in getattr(dist.Backend, "backend_list", [])}
+    registered = {b.lower() for b in getattr(dist.Backend, "backend_list", [])} - {"undefined"}
     if low in registered:
         return low
     known = sorted(set(KNOWN_BACKENDS) | registered)

@@ -1,0 +1,171 @@
+"""Capability tables: the Gloo rows per torch release, the vendor rows, the stand-in, bad names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from portspeed.capabilities import (
+    KNOWN_BACKENDS,
+    Capabilities,
+    Gap,
+    capabilities_for,
+    check_backend_name,
+    op_type,
+)
+from portspeed.errors import UnknownBackendError
+
+R = dist.ReduceOp
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def effect(backend: str, version: str, coll: str, op=None, dtype=F32, device=None) -> str | None:
+    gap = capabilities_for(backend, version, device).gap(coll, op, dtype)
+    return gap.effect if gap else None
+
+
+@pytest.mark.parametrize("version,want", [("2.6.0", "raises"), ("2.7.1", "raises"), ("2.8.0", None),
+                                          ("2.11.0", None), ("2.13.0", None)])
+def test_gloo_avg_all_reduce_raises_before_2_8(version: str, want: str | None) -> None:
+    """AVG all_reduce/reduce raise on Gloo before torch 2.8 and work after."""
+    assert effect("gloo", version, "all_reduce", R.AVG) == want
+    assert effect("gloo", version, "reduce", R.AVG) == want
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.7.1", "2.8.0"])
+@pytest.mark.parametrize("op", [R.AVG, R.MAX])
+def test_gloo_reduce_scatter_tensor_silently_sums_until_2_8(version: str, op) -> None:
+    """reduce_scatter_tensor AVG/MAX silently sum on Gloo 2.6-2.8: a 'wrong' gap, not a raise."""
+    assert effect("gloo", version, "reduce_scatter_tensor", op) == "wrong"
+    assert effect("gloo", version, "reduce_scatter_tensor", R.SUM) is None
+
+
+@pytest.mark.parametrize("version", ["2.9.1", "2.12.0", "2.13.0"])
+def test_gloo_reduce_scatter_tensor_right_from_2_9(version: str) -> None:
+    """From torch 2.9 Gloo's reduce_scatter_tensor honours AVG and MAX."""
+    assert effect("gloo", version, "reduce_scatter_tensor", R.AVG) is None
+    assert effect("gloo", version, "reduce_scatter_tensor", R.MAX) is None
+
+
+def test_gloo_list_reduce_scatter_rows() -> None:
+    """List reduce_scatter: raises for any op on 2.6/2.7, ignores the op on 2.8, right from 2.9."""
+    assert effect("gloo", "2.7", "reduce_scatter", R.SUM) == "raises"
+    assert effect("gloo", "2.8", "reduce_scatter", R.SUM) is None
+    assert effect("gloo", "2.8", "reduce_scatter", R.AVG) == "wrong"
+    assert effect("gloo", "2.9", "reduce_scatter", R.AVG) is None
+
+
+@pytest.mark.parametrize("version,want", [("2.6", "raises"), ("2.11.0", "raises"), ("2.12.0", None),
+                                          ("2.13.0", None)])
+def test_gloo_list_all_to_all_until_2_11(version: str, want: str | None) -> None:
+    """The list all_to_all raises on Gloo up to torch 2.11."""
+    assert effect("gloo", version, "all_to_all") == want
+
+
+@pytest.mark.parametrize("version", ["2.6", "2.9", "2.13"])
+@pytest.mark.parametrize("coll", ["all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"])
+def test_gloo_premul_sum_raises_everywhere(version: str, coll: str) -> None:
+    """PREMUL_SUM raises on Gloo in every release; a ReduceOp object from _make_nccl_premul_sum matches."""
+    assert effect("gloo", version, coll, R.PREMUL_SUM) == "raises"
+    assert effect("gloo", version, coll, dist._make_nccl_premul_sum(0.5)) == "raises"
+
+
+def test_gloo_sum_in_every_dtype_goes_straight_through() -> None:
+    """What Gloo does right is not in the table (the router's hot path depends on it)."""
+    caps = capabilities_for("gloo", "2.13.0")
+    for coll in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+            assert caps.gap(coll, R.SUM, dtype) is None, (coll, dtype)
+
+
+def test_standin_declares_vendor_like_gaps() -> None:
+    """The stand-in backend lacks AVG, PREMUL_SUM, bf16 reduce_scatter and the list all_to_all."""
+    caps = capabilities_for("standin")
+    assert caps.gap("all_reduce", R.AVG, F32).effect == "raises"
+    assert caps.gap("all_reduce", R.SUM, BF16) is None
+    assert caps.gap("reduce_scatter_tensor", R.SUM, BF16).dtype is BF16
+    assert caps.gap("reduce_scatter", R.SUM, BF16).dtype is BF16
+    assert caps.gap("all_to_all") is not None
+    assert caps.gap("all_reduce", R.MAX, F32) is None
+
+
+def test_dtype_gaps_come_first() -> None:
+    """A call with two gaps (AVG on bf16 reduce_scatter) reports the dtype gap, so the router upcasts first."""
+    gap = capabilities_for("standin").gap("reduce_scatter_tensor", R.AVG, BF16)
+    assert gap.dtype is BF16 and gap.op is None
+
+
+def test_vendor_rows() -> None:
+    """Vendor rows: HCCL (npu) has no bitwise ops; Habana HCCL no PRODUCT/AVG; CNCL float64 is wrong."""
+    assert effect("hccl", "2.13", "all_reduce", R.BOR, torch.int64) == "raises"
+    assert effect("hccl", "2.13", "all_reduce", R.AVG) is None
+    assert effect("hccl", "2.13", "all_reduce", R.PRODUCT, device="hpu") == "raises"
+    assert effect("hccl", "2.13", "all_reduce", R.AVG, device="hpu") == "raises"
+    assert effect("cncl", "2.13", "all_reduce", R.SUM, torch.float64) == "wrong"
+    assert effect("xccl", "2.13", "all_reduce", R.AVG) == "raises"
+    assert effect("mccl", "2.13", "all_reduce", R.SUM, BF16) == "raises"
+    assert capabilities_for("nccl", "2.13").gaps == ()
+
+
+def test_backend_without_table_goes_straight_through_with_a_note() -> None:
+    """A backend with no table (ucc) gets no gaps and a note saying so."""
+    caps = capabilities_for("ucc")
+    assert caps.gaps == () and any("no capability table" in n for n in caps.notes)
+
+
+def test_torch_outside_checked_range_uses_nearest_row_and_says_so() -> None:
+    """torch 2.5 / 3.0 use the nearest checked row and note it."""
+    old = capabilities_for("gloo", "2.5.1")
+    assert old.gap("all_reduce", R.AVG, F32) is not None
+    assert any("outside the checked range" in n for n in old.notes)
+    new = capabilities_for("gloo", "3.0.0")
+    assert new.gap("all_reduce", R.AVG, F32) is None and new.notes
+
+
+def test_installed_torch_is_the_default_version() -> None:
+    """Without a version the installed torch is used (local build suffixes are ignored)."""
+    assert capabilities_for("gloo").torch_version == torch.__version__.split("+")[0]
+
+
+def test_bad_torch_version_names_the_value() -> None:
+    """A version that is not PEP 440 raises naming it."""
+    with pytest.raises(ValueError, match="not-a-version"):
+        capabilities_for("gloo", "not-a-version")
+
+
+def test_describe_rows_are_printable() -> None:
+    """describe() gives one dict per gap with op and dtype names."""
+    rows = capabilities_for("gloo", "2.7").describe()
+    assert {"collective": "all_reduce", "op": "AVG", "dtype": "any", "effect": "raises"}.items() <= rows[
+        [r["collective"] == "all_reduce" and r["op"] == "AVG" for r in rows].index(True)].items()
+
+
+def test_op_type_canonicalises_and_rejects_non_ops() -> None:
+    """ReduceOp objects map to the one RedOpType member; anything else raises naming it."""
+    assert op_type(dist.ReduceOp(R.AVG)) is R.AVG
+    assert op_type(dist._make_nccl_premul_sum(2.0)) is R.PREMUL_SUM
+    with pytest.raises(TypeError, match="'sum'"):
+        op_type("sum")
+
+
+def test_gap_and_capabilities_records() -> None:
+    """Gap normalises its op; Capabilities lists the collectives it affects."""
+    g = Gap("all_reduce", "raises", "test", dist.ReduceOp(R.MAX))
+    assert g.op is R.MAX and g.matches(R.MAX, F32) and not g.matches(R.SUM, F32)
+    caps = Capabilities("x", gaps=(g,))
+    assert caps.missing == frozenset({"all_reduce"}) and caps.affects("all_reduce") and not caps.affects("reduce")
+
+
+@pytest.mark.parametrize("name", list(KNOWN_BACKENDS) + ["GLOO"])
+def test_known_backend_names_pass(name: str) -> None:
+    """Every known backend name passes the check, in any case."""
+    check_backend_name(name)
+
+
+@pytest.mark.parametrize("name", ["nccll", "cuda:nccl", "", "   "])
+def test_unknown_backend_names_raise_listing_known_ones(name: str) -> None:
+    """An unknown or empty name raises UnknownBackendError that lists the known backends."""
+    with pytest.raises(UnknownBackendError, match="gloo") as info:
+        check_backend_name(name)
+    assert "nccl" in str(info.value)

@@ -1,0 +1,289 @@
+"""The collective router in one process: name mapping, get_backend, hot path, rewrites, bad input.
+
+Multi-rank values are checked in test_collective_conformance.py; here a world of one
+(a real Gloo or stand-in group on a HashStore) is enough for the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+import portspeed
+from portspeed import config, router
+from portspeed.accelerator import Accelerator, reset_accelerator, set_accelerator
+from portspeed.adapters.cpu import CpuAccelerator
+from portspeed.adapters.cuda import CudaAccelerator
+from portspeed.capabilities import capabilities_for
+from portspeed.errors import CollectiveUnsupportedError, ConfigError, UnknownBackendError
+from portspeed.patches.torch_distributed import PATCHES
+from portspeed.testing.standin_ccl import StandinAccelerator
+
+R = dist.ReduceOp
+
+
+class FakeNpuAccelerator(Accelerator):
+    """A fake Ascend adapter (no hardware): only its names matter to the mapping."""
+
+    name = "fake-npu"
+    device_type = "npu"
+    backend = "hccl"
+
+
+@pytest.fixture
+def routed() -> Iterator[portspeed.PatchManager]:
+    """The router patches applied by a private manager, on the CPU adapter; all undone after."""
+    set_accelerator(CpuAccelerator())
+    manager = portspeed.PatchManager()
+    manager.register(PATCHES)
+    manager.apply()
+    router.reset()
+    yield manager
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    manager.revert()
+    router.reset()
+    reset_accelerator()
+
+
+def _init(backend: str | None = "nccl") -> None:
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+
+
+# ---------------------------------------------------------------------- mapping
+@pytest.mark.parametrize("asked,want", [
+    ("nccl", "gloo"), ("NCCL", "gloo"), (None, "gloo"), ("gloo", "gloo"), ("hccl", "gloo"), ("mpi", "mpi"),
+    ("cpu:gloo,cuda:nccl", "gloo"), ("standin", "standin"),
+])
+def test_map_backend_on_cpu(asked: str | None, want: str) -> None:
+    """On the CPU adapter accelerator backends become gloo; CPU and registered backends stay."""
+    assert router.map_backend(asked, CpuAccelerator()) == want
+
+
+@pytest.mark.parametrize("asked,want", [
+    ("nccl", "standin"), (None, "standin"), ("gloo", "gloo"), ("cpu:gloo,cuda:nccl", "standin"),
+])
+def test_map_backend_on_standin(asked: str | None, want: str) -> None:
+    """On the stand-in adapter nccl becomes standin, and its backend wins on its own device."""
+    assert router.map_backend(asked, StandinAccelerator()) == want
+
+
+@pytest.mark.parametrize("asked", ["nccl", "gloo", "ucc", "cpu:gloo,cuda:nccl", None])
+def test_map_backend_on_cuda_changes_nothing(asked: str | None) -> None:
+    """On a CUDA adapter with nccl every name maps to itself (None stays torch's default)."""
+    assert router.map_backend(asked, CudaAccelerator()) == (asked.lower() if asked else None)
+
+
+def test_map_backend_on_a_fake_npu_keeps_device_pairs() -> None:
+    """On a fake NPU adapter nccl becomes hccl, and 'cpu:gloo,cuda:nccl' becomes 'cpu:gloo,npu:hccl'."""
+    acc = FakeNpuAccelerator()
+    assert router.map_backend("nccl", acc) == "hccl"
+    assert router.map_backend("cpu:gloo,cuda:nccl", acc) == "cpu:gloo,npu:hccl"
+
+
+def test_pytorch_backend_override_is_honoured() -> None:
+    """An adapter built with a backend override (PORTSPEED_BACKEND) maps nccl to that backend."""
+    assert router.map_backend("nccl", CpuAccelerator(backend="standin")) == "standin"
+
+
+@pytest.mark.parametrize("asked", ["nccll", "tcp", "cpu:", "cuda:nccl,", ""])
+def test_unknown_backend_names_raise_listing_known_ones(asked: str) -> None:
+    """Unknown or malformed names raise UnknownBackendError that says what was wrong."""
+    with pytest.raises(UnknownBackendError) as info:
+        router.map_backend(asked, CpuAccelerator())
+    msg = str(info.value)
+    assert repr(asked) in msg or "malformed" in msg or "non-empty" in msg
+    if asked in ("nccll", "tcp"):
+        assert "gloo" in msg and "nccl" in msg
+
+
+def test_init_process_group_with_unknown_backend_fails_before_any_group(routed) -> None:
+    """The patched init_process_group rejects an unknown name and creates nothing."""
+    with pytest.raises(UnknownBackendError, match="nccll"):
+        _init("nccll")
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------- patches and rebinding
+def test_patches_reach_the_torch_distributed_re_exports(routed) -> None:
+    """torch.distributed.<fn> (a `from distributed_c10d import *` alias) is the patched chain too."""
+    for name in ("init_process_group", "new_group", "get_backend", "all_reduce", "reduce_scatter_tensor",
+                 "all_to_all"):
+        assert getattr(dist, name) is getattr(c10d, name), name
+        assert hasattr(getattr(dist, name), "__wrapped__"), name
+    rebound = {r["name"]: r.get("rebound", []) for r in routed.report()}
+    assert "torch.distributed.init_process_group" in rebound["torch.distributed.init_process_group.backend"]
+    originals = {name: getattr(dist, name).__wrapped__ for name in ("init_process_group", "all_reduce")}
+    routed.revert()
+    for name, original in originals.items():
+        assert getattr(dist, name) is original and getattr(c10d, name) is original
+
+
+def test_every_patch_is_a_versioned_wrap_with_a_reason() -> None:
+    """Each router patch wraps torch.distributed.distributed_c10d, declares torch>=2.6 and says why."""
+    for p in PATCHES:
+        assert p.kind == "wrap" and p.distribution == "torch" and p.versions.startswith(">=2.")
+        assert p.target.startswith("torch.distributed.distributed_c10d:") and p.reason.endswith(".")
+
+
+# ---------------------------------------------------------------------- get_backend: requested vs real
+def test_get_backend_reports_requested_name_and_real_backend_is_available(routed) -> None:
+    """A group asked for as nccl reports 'nccl'; real_backend says gloo; torch itself sees gloo."""
+    _init("nccl")
+    assert dist.get_backend() == "nccl"
+    assert router.real_backend() == "gloo" and router.requested_backend() == "nccl"
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))  # torch checks == 'gloo' inside
+    inherited = dist.new_group(ranks=[0])
+    assert dist.get_backend(inherited) == "nccl" and router.real_backend(inherited) == "gloo"
+    explicit = dist.new_group(ranks=[0], backend="gloo")
+    assert dist.get_backend(explicit) == "gloo"
+    dist.destroy_process_group()
+    assert router.requested_backend.__module__ == "portspeed.router"
+    assert not router._REQUESTED
+
+
+def test_device_pair_string_is_reported_back(routed) -> None:
+    """'cpu:gloo,cuda:nccl' runs on gloo and get_backend() returns the string asked for."""
+    _init("cpu:gloo,cuda:nccl")
+    assert dist.get_backend() == "cpu:gloo,cuda:nccl"
+    assert router.real_backend() == "gloo"
+
+
+def test_no_backend_on_cpu_uses_the_adapter_backend(routed) -> None:
+    """init_process_group() without a backend creates the adapter's backend and reports the real name."""
+    _init(None)
+    assert router.real_backend() == "gloo" and dist.get_backend() == "gloo"
+
+
+def test_standin_adapter_gets_the_standin_backend(routed) -> None:
+    """With the stand-in adapter a group asked for as nccl runs on the stand-in backend."""
+    set_accelerator(StandinAccelerator())
+    _init("nccl")
+    assert router.real_backend() == "standin" and dist.get_backend() == "nccl"
+    x = torch.arange(4.0)
+    dist.all_reduce(x, op=R.AVG)  # the stand-in raises on AVG: this only works rewritten
+    assert torch.equal(x, torch.arange(4.0))
+    assert router.stats() == {"all_reduce": {"rewrites": 1, "by": {"avg_as_sum": 1}}}
+
+
+# ---------------------------------------------------------------------- hot path and rewrites
+def test_supported_call_goes_straight_through_with_the_callers_arguments(routed) -> None:
+    """On a backend that does it right the original gets the caller's own arguments; nothing is counted."""
+    _init("nccl")
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+
+    t = torch.ones(4)
+    wrapper = router.COLLECTIVE_WRAPPERS["all_reduce"]
+    wrapper(spy, None, (t,), {})  # first call fills the cache
+    wrapper(spy, None, (t,), {"op": R.SUM})
+    assert seen[1][0][0] is t and seen[1][1] == {"op": R.SUM}
+    assert router.stats() == {}
+
+
+def test_premul_sum_on_gloo_is_rewritten(routed) -> None:
+    """Gloo has no PREMUL_SUM: the router scales then sums, and counts it."""
+    _init("nccl")
+    x = torch.full((3,), 4.0)
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.25))
+    assert torch.equal(x, torch.ones(3))
+    assert router.stats()["all_reduce"]["by"] == {"premul_as_scale_sum": 1}
+
+
+def test_async_rewrite_writes_the_callers_tensor_on_wait(routed) -> None:
+    """async_op=True returns a RewriteWork; the caller's output is written when wait() runs."""
+    set_accelerator(StandinAccelerator())
+    _init("nccl")
+    out = torch.zeros(4, dtype=torch.bfloat16)
+    inp = torch.arange(1.0, 5.0, dtype=torch.bfloat16)
+    work = dist.reduce_scatter_tensor(out, inp, async_op=True)  # bf16: the stand-in lacks it
+    assert isinstance(work, router.RewriteWork) and not work.is_completed()
+    assert torch.equal(out, torch.zeros(4, dtype=torch.bfloat16))
+    work.wait()
+    assert work.is_completed() and torch.equal(out, inp)
+    assert work.get_future().done()
+    assert router.stats()["reduce_scatter_tensor"]["by"] == {"upcast": 1}
+
+
+def test_avg_on_integers_raises_naming_the_dtype(routed) -> None:
+    """AVG on int64 where the backend lacks AVG cannot be rewritten: the error says so and what to do."""
+    set_accelerator(StandinAccelerator())
+    _init("nccl")
+    with pytest.raises(CollectiveUnsupportedError, match="torch.int64.*cast to a float"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.AVG)
+
+
+def test_float64_on_cncl_table_raises_instead_of_losing_precision(routed) -> None:
+    """CNCL maps float64 to float32 silently; the router refuses loudly rather than pass it on."""
+    _init("nccl")
+    router.use_capabilities(capabilities_for("cncl"))
+    with pytest.raises(CollectiveUnsupportedError, match="float64"):
+        dist.all_reduce(torch.ones(2, dtype=torch.float64))
+
+
+def test_use_capabilities_rejects_other_objects(routed) -> None:
+    """use_capabilities takes a Capabilities record only."""
+    with pytest.raises(TypeError, match="Capabilities"):
+        router.use_capabilities({"all_reduce": ()})
+
+
+def test_destroy_forgets_cached_tables(routed) -> None:
+    """destroy_process_group clears the capability cache, so a new group is looked up afresh."""
+    _init("nccl")
+    router.capabilities_of()
+    assert router._CAPS
+    dist.destroy_process_group()
+    assert not router._CAPS
+
+
+def test_rewrite_work_runs_finish_once() -> None:
+    """RewriteWork waits for its inner works, runs its last step once, then reports completion."""
+    calls = []
+
+    class Inner:
+        def wait(self):
+            calls.append("inner")
+
+    work = router.RewriteWork([Inner(), None], lambda: calls.append("finish"), result=[1])
+    assert not work.is_completed()
+    work.wait()
+    work.wait()
+    assert calls == ["inner", "finish"] and work.is_completed()
+    assert work.get_future().value() == [1]
+
+
+# ---------------------------------------------------------------------- PORTSPEED_BACKEND
+@pytest.mark.parametrize("value", ["cuda:nccl", "nccl,gloo", "gl oo"])
+def test_garbage_portspeed_backend_is_a_config_error(monkeypatch, value: str) -> None:
+    """PORTSPEED_BACKEND with device prefixes, commas or spaces fails naming the variable."""
+    monkeypatch.setenv("PORTSPEED_BACKEND", value)
+    try:
+        with pytest.raises(ConfigError, match="PORTSPEED_BACKEND"):
+            config.reload()
+    finally:
+        monkeypatch.delenv("PORTSPEED_BACKEND")
+        config.reload()
+
+
+def test_unknown_portspeed_backend_fails_at_selection_listing_known_ones(monkeypatch) -> None:
+    """A well-formed but unknown PORTSPEED_BACKEND fails when the adapter is selected, listing known names."""
+    monkeypatch.setenv("PORTSPEED_BACKEND", "fooccl")
+    monkeypatch.setenv("PORTSPEED_ACCELERATOR", "cpu")
+    config.reload()
+    reset_accelerator()
+    try:
+        with pytest.raises((ConfigError, UnknownBackendError), match="fooccl.*gloo"):
+            portspeed.get_accelerator()
+    finally:
+        monkeypatch.delenv("PORTSPEED_BACKEND")
+        monkeypatch.delenv("PORTSPEED_ACCELERATOR")
+        config.reload()
+        reset_accelerator()
