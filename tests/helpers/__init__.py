@@ -1,0 +1,1 @@
+"""Test helpers shared by multi-process tests (import as ``from helpers.launch import ...``)."""
