@@ -134,8 +134,11 @@ class StandinProcessGroup(dist.ProcessGroup):
     def _allreduce_one(self, t: torch.Tensor, op: Any) -> None:
         flat = t.detach().reshape(-1).contiguous().clone()
         chunks = list(flat.tensor_split(self._size))
-        self._ring_reduce_scatter(chunks, op)
-        self._ring_all_gather(chunks)
+        # rank r finishes chunk r+1, so chunk c is summed as (x_c + x_c+1) + ...: another
+        # pairing than Gloo's ring, whose float sums therefore differ in the last bits
+        rotated = chunks[1:] + chunks[:1]
+        self._ring_reduce_scatter(rotated, op)
+        self._ring_all_gather(rotated)
         t.copy_(flat.view_as(t))
 
     # ------------------------------------------------------------------ collectives
