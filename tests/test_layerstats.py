@@ -125,3 +125,24 @@ def test_bad_arguments():
         LayerStatsRecorder(model(), iterations=[])
     with pytest.raises(LayerStatsError, match="record the same iteration"):
         compare_layers({"iterations": {"1": {}}}, {"iterations": {"2": {}}})
+
+
+@pytest.mark.megatron
+def test_megatron_gpt_difference_is_located(tmp_path):
+    """On a real megatron-core GPTModel (subprocesses: the adaptor must not patch this test process),
+    one changed weight in layer 1's MLP is named as the first differing module."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install 'portspeed[megatron]')")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "data" / "gpt_layerstats.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, extra in (("a", []), ("b", ["bump"])):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.json"), *extra],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+    d = compare_layers(load_layer_stats(tmp_path / "a.json"), load_layer_stats(tmp_path / "b.json"))
+    assert (d.phase, d.module) == ("forward", "decoder.layers.1.mlp.linear_fc1")
+    assert d.compared > 10  # embedding and all of layer 0 agreed first
