@@ -26,7 +26,7 @@ from pathlib import Path
 from portspeed.manager import PatchManager
 from portspeed.patch import Patch
 
-PKG = "portspeed_bench_synth"
+PKG = "bench_apply_synth"
 
 
 def _write_modules(root: Path, n: int) -> None:

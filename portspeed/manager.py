@@ -60,7 +60,10 @@ log = logging.getLogger("portspeed.patches")
 #: Every status a patch can be in, as shown by the report.
 STATUSES = ("registered", "pending", "applied", "skipped", "inactive", "disabled", "failed", "reverted")
 
-_NO_REBIND_PREFIXES = ("portspeed", "wrapt", "importlib", "_frozen_importlib")
+#: Top-level packages whose namespaces are never rebound (by package, not by name prefix:
+#: a user module called ``portspeed_tools`` is rebound like any other).
+_NO_REBIND_PACKAGES = frozenset({"portspeed", "wrapt", "importlib", "_frozen_importlib",
+                                 "_frozen_importlib_external"})
 _MISSING = object()
 
 
@@ -152,7 +155,7 @@ def _namespaces(modules: Iterable[Any], ids: Any) -> Iterator[tuple[Any, str]]:
     """
     for mod in modules:
         name = getattr(mod, "__name__", None)
-        if not isinstance(name, str) or name.startswith(_NO_REBIND_PREFIXES):
+        if not isinstance(name, str) or name.partition(".")[0] in _NO_REBIND_PACKAGES:
             continue
         ns = getattr(mod, "__dict__", None)
         if not isinstance(ns, dict):

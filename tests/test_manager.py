@@ -625,3 +625,18 @@ def test_package_reexport_of_a_submodule_function(mods: Modules, mgr: PatchManag
     assert pkg.f(1) == ("w", ("f", 1)) and pkg.f is sys.modules[f"{mods.pkg}.impl"].f
     mgr.revert()
     assert pkg.f(1) == ("f", 1)
+
+
+def test_only_portspeed_itself_is_exempt_from_rebinding(mods: Modules, mgr: PatchManager) -> None:
+    """Modules of the portspeed package keep originals on purpose; a user module named portspeed_* does not."""
+    t = imp(mods.target())
+    name = f"portspeed_user_{mods.pkg}"
+    (mods.root / f"{name}.py").write_text(f"from {t.__name__} import f\n")
+    importlib.invalidate_caches()
+    try:
+        u = imp(name)
+        mgr.register([wrap("w", f"{t.__name__}:f")])
+        mgr.apply()
+        assert u.f is t.f and u.f(1) == ("w", ("f", 1))
+    finally:
+        sys.modules.pop(name, None)
