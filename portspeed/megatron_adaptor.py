@@ -63,6 +63,19 @@ def megatron_patches() -> list[Patch]:
     return out
 
 
+class _UnlessRootHandles(logging.StreamHandler):
+    """stderr output for portspeed records, silent once the root logger has a handler of its own.
+
+    Megatron configures the root logger after the adaptor is imported; records propagate
+    there too, and writing them here as well would print every line twice.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if any(not isinstance(h, logging.NullHandler) for h in logging.getLogger().handlers):
+            return
+        super().emit(record)
+
+
 def _ensure_log_output() -> None:
     """Make portspeed's own warnings (fallbacks, dropped options) visible on stderr at PORTSPEED_LOG_LEVEL.
 
@@ -72,7 +85,7 @@ def _ensure_log_output() -> None:
     plog = logging.getLogger("portspeed")
     if any(not isinstance(h, logging.NullHandler) for h in plog.handlers + logging.getLogger().handlers):
         return
-    handler = logging.StreamHandler()
+    handler = _UnlessRootHandles()
     handler.setFormatter(logging.Formatter("%(message)s"))
     plog.addHandler(handler)
     plog.setLevel(config.settings().log_level)

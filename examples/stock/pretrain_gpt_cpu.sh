@@ -5,8 +5,10 @@
 #
 #   MEGATRON_LM_ROOT=/path/to/Megatron-LM  NPROC=2 TP=2 PP=1  examples/stock/pretrain_gpt_cpu.sh [extra args]
 #
-# NPROC must be a multiple of TP*PP (the rest is data parallelism). Extra arguments are passed
-# to pretrain_gpt.py last, so they can override anything below (e.g. --save/--load/--data-path).
+# NPROC must be a multiple of TP*PP (the rest is data parallelism). DATA_PATH=<prefix> trains on
+# an indexed dataset (made with the checkout's tools/preprocess_data.py, see README in this
+# folder) instead of Megatron's mock data. Extra arguments are passed to pretrain_gpt.py last
+# (e.g. --save/--load/--finetune).
 set -euo pipefail
 : "${MEGATRON_LM_ROOT:?set MEGATRON_LM_ROOT to a Megatron-LM checkout (tag core_v0.16.1)}"
 NPROC=${NPROC:-2}
@@ -14,6 +16,11 @@ TP=${TP:-1}
 PP=${PP:-1}
 ITERS=${ITERS:-10}
 PORTSPEED=${PORTSPEED:-portspeed}
+if [[ -n "${DATA_PATH:-}" ]]; then
+    DATA=(--data-path "$DATA_PATH" --split 100,0,0)
+else
+    DATA=(--mock-data)
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH="$MEGATRON_LM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -21,7 +28,7 @@ export PYTHONPATH="$MEGATRON_LM_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # so every layout trains the same model.
 exec $PORTSPEED run --nproc-per-node "$NPROC" "$MEGATRON_LM_ROOT/pretrain_gpt.py" \
     --transformer-impl local \
-    --mock-data --tokenizer-type NullTokenizer --vocab-size 1000 \
+    "${DATA[@]}" --tokenizer-type NullTokenizer --vocab-size 1000 \
     --num-layers 2 --hidden-size 64 --num-attention-heads 4 \
     --seq-length 32 --max-position-embeddings 32 \
     --micro-batch-size 2 --global-batch-size 8 \
