@@ -89,9 +89,9 @@ def _window(s: str) -> tuple[int | None, int | None]:
 
 # ----------------------------------------------------------------------------- formatting
 
-def _f(x: float | None, width: int = 12) -> str:
+def _f(x: float | None, width: int = 12, skipped: bool = True) -> str:
     if x is None:
-        return "skipped".rjust(width)
+        return ("skipped" if skipped else "-").rjust(width)
     if math.isnan(x):
         return "nan".rjust(width)
     return f"{x:.7g}".rjust(width)
@@ -135,11 +135,11 @@ def format_table(comps: Sequence[Comparison], tol: Tolerance, origin: str, limit
                 out.append(f"{'...':>6} |")
             prev = i
             r0 = mc[0].rows[i]
-            line = f"{r0.iteration:>6} | {_f(r0.ref)}"
+            line = f"{r0.iteration:>6} | {_f(r0.ref, skipped='skipped' in r0.reason)}"
             for c in mc:
                 r = c.rows[i]
                 mark = "  " if r.ok else " !"
-                line += f" | {_f(r.value)} {_d(r.abs_diff):>9}{mark}"
+                line += f" | {_f(r.value, skipped='skipped' in r.reason)} {_d(r.abs_diff):>9}{mark}"
             out.append(line)
     out.append("")
     for i, c in enumerate(comps, 1):
