@@ -634,8 +634,14 @@ class PatchManager:
             if isinstance(ref, dict):
                 if ref.get("__name__") and "__builtins__" in ref:
                     continue  # module namespace: rebound already, or portspeed's own on purpose
-                if "__module__" in ref or "__qualname__" in ref:
-                    continue  # class namespace: rebound (or the definition site)
+                if "__module__" in ref:
+                    cls = next((t for t in gc.get_referrers(ref) if isinstance(t, type)
+                                and any(x is ref for x in gc.get_referents(t))), None)
+                    if cls is None or _swept_class(cls, st):
+                        continue  # class namespace: rebound, or where the original is defined
+                    found.append(f"class attribute of {cls.__module__}.{cls.__qualname__} "
+                                 "(not a top-level class of a module)")
+                    continue
                 kw = _functions_with(ref, "__kwdefaults__")
                 if kw:
                     found += [f"keyword default of {f}" for f in kw]
@@ -675,6 +681,14 @@ class PatchManager:
             f"PORTSPEED_STRICT=1 and {what}. Nothing of this batch was applied. Unset PORTSPEED_STRICT "
             "to continue without it, or PORTSPEED_DISABLE it on purpose."
         )
+
+
+def _swept_class(cls: type, st: _TargetState) -> bool:
+    """Whether the sweep reaches ``cls`` (a top-level class of its module) or it defines the target."""
+    if isinstance(st.owner, type) and cls in st.owner.__mro__:
+        return True
+    module = sys.modules.get(getattr(cls, "__module__", None) or "")
+    return module is not None and vars(module).get(cls.__name__) is cls
 
 
 def _functions_with(obj: Any, attr: str) -> list[str]:

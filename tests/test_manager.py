@@ -278,6 +278,10 @@ def test_unrebindable_references_are_reported(mods: Modules, mgr: PatchManager) 
 
         class Child(C):
             pass
+
+        class Outer:
+            class Inner:
+                cb = f
         """))
     mgr.register([wrap("w", f"{t.__name__}:f"), replace("rC", f"{t.__name__}:C", impl=type("C2", (), {}))])
     mgr.apply()
@@ -286,11 +290,13 @@ def test_unrebindable_references_are_reported(mods: Modules, mgr: PatchManager) 
     assert "closure cell" in found and f"{holder.__name__}.make" in found
     assert f"default argument of {holder.__name__}.uses_default" in found
     assert "list container" in found and "dict container" in found
+    assert f"class attribute of {holder.__name__}.Outer.Inner" in found
     classes = " | ".join(rep["rC"]["unrebindable"])
     assert f"subclass {holder.__name__}.Child" in classes
     assert f"subclass {t.__name__}.Sub" in classes
     # they really were not rebound: the report is not decoration
     assert holder.REG[0] is original and holder.TABLE["f"] is original
+    assert holder.Outer.Inner.__dict__["cb"] is original
     assert holder.closure(1) == ("f", 1)
     assert holder.f(1) == ("w", ("f", 1))  # the plain alias was
     assert "unrebindable" not in mgr.report()[0]  # only on request
