@@ -30,8 +30,10 @@ Limits: references held in closures, default arguments and containers cannot be 
 nor can subclasses of a replaced class; ``report(deep=True)`` lists them (it walks the
 garbage collector's referrers, so it is not done on the hot path). Modules under
 ``portspeed`` (and wrapt, importlib) are never rebound: patches keep references to
-originals on purpose. Rebinding matches by identity, so any module or class attribute
-holding the original object is rebound, whatever its name.
+originals on purpose. Rebinding matches by identity, so any attribute of a module in
+sys.modules (``__main__`` included) or of a top-level class defined there that holds the
+original is rebound, whatever its name; originals that are shared immutables (ints,
+strings, tuples, None...) are never swept. See docs/patch-manager.md.
 """
 
 from __future__ import annotations
@@ -184,9 +186,6 @@ class _ClassNamespace:
 
     def items(self) -> Any:
         return self.cls.__dict__.items()
-
-    def values(self) -> Any:
-        return self.cls.__dict__.values()
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.cls.__dict__.get(key, default)
