@@ -16,9 +16,7 @@ example's (``examples/stock/pretrain_gpt_cpu.sh``): Megatron's defaults, includi
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +29,7 @@ pytestmark = [pytest.mark.stock, pytest.mark.multiproc, pytest.mark.megatron]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "stock" / "pretrain_gpt_cpu.sh"
+DATASET = REPO / "examples" / "stock" / "make_indexed_dataset.sh"
 TOLERANCE = 1e-5  # absolute, per iteration, fp32
 ITERS = 10
 RUN_TIMEOUT = 600  # seconds per launch: a hang fails the test instead of hanging CI
@@ -59,8 +58,9 @@ def _skip_reason() -> str | None:
     missing = [pkg for mod, pkg in TRAINING_IMPORTS.items() if importlib.util.find_spec(mod) is None]
     if missing:
         return f"Megatron-LM's training code imports packages that are not installed: pip install {' '.join(missing)}"
-    if not EXAMPLE.is_file():
-        return f"{EXAMPLE} is missing"
+    for script in (EXAMPLE, DATASET):
+        if not script.is_file():
+            return f"{script} is missing"
     return None
 
 
@@ -100,19 +100,9 @@ def _losses(text: str, name: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Dataset, shared checkpoint, and the single-process TP1 baseline (built once for the module)."""
-    root = Path(os.environ["MEGATRON_LM_ROOT"])
     work = tmp_path_factory.mktemp("stock")
-    rng = random.Random(0)
-    # counting runs over 100 of the 1000 token ids: learnable within a few steps, so the loss must fall
-    with open(work / "docs.jsonl", "w") as f:
-        for _ in range(200):
-            start, step, n = rng.randrange(100), rng.choice((1, 2, 3)), rng.randint(20, 120)
-            f.write(json.dumps({"text": " ".join(str((start + i * step) % 100) for i in range(n))}) + "\n")
-    env = _env(1, 1, 1)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    _run([sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", "1", str(root / "tools/preprocess_data.py"),
-          "--input", "docs.jsonl", "--output-prefix", str(work / "docs"), "--tokenizer-type", "NullTokenizer",
-          "--vocab-size", "1000", "--workers", "1", "--append-eod"], env, work, work / "preprocess.log")
+    _run(["bash", str(DATASET), str(work)], _env(1, 1, 1) | {"PYTHON": sys.executable}, work,
+         work / "preprocess.log")
     data = work / "docs_text_document"
     assert data.with_suffix(".bin").is_file() and data.with_suffix(".idx").is_file()
 
