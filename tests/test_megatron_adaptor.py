@@ -1,0 +1,175 @@
+"""portspeed.megatron_adaptor: import order, what it patches, Megatron-Core behaviour on CPU.
+
+Each check runs in a fresh interpreter: importing the adaptor changes the process
+(translation scoped onto megatron.*, torch.Tensor methods wrapped), which must not leak
+into other tests.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'portspeed[megatron]')")
+
+from helpers.launch import run_python  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+SINGLE_RANK_WORLD = '''
+import os, torch.distributed as dist
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+from helpers_port import port
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port()}")
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+'''
+
+
+def _py(code: "str | list[str]", tmp_path) -> str:
+    """Run the snippet (or the snippets, each dedented, joined) in a fresh interpreter; return its output."""
+    if isinstance(code, list):
+        code = "\n".join(textwrap.dedent(c) for c in code)
+    (tmp_path / "helpers_port.py").write_text(textwrap.dedent('''
+        import socket
+        def port():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return s.getsockname()[1]
+    '''))
+    res = run_python(["-c", textwrap.dedent(code)], timeout=240, env={"PYTHONPATH": str(tmp_path)}).check()
+    return res.stdout + res.stderr
+
+
+def test_adaptor_does_not_import_megatron(tmp_path) -> None:
+    out = _py('''
+        import sys
+        import portspeed.megatron_adaptor, portspeed
+        assert not [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]
+        pending = [r["name"] for r in portspeed.report() if r["status"] == "pending"]
+        assert "megatron.core.rng.set_state" in pending, pending
+        print("ok")
+    ''', tmp_path)
+    assert "ok" in out
+
+
+@pytest.mark.parametrize("order", ["adaptor-first", "megatron-first"])
+def test_import_order_does_not_matter(order: str, tmp_path) -> None:
+    """Either order ends with the same patches applied and megatron's modules seeing the view."""
+    first = "import portspeed.megatron_adaptor" if order == "adaptor-first" else \
+        "import megatron.core.tensor_parallel.random, megatron.core.parallel_state, megatron.core.transformer.torch_norm"
+    second = "import megatron.core.tensor_parallel.random, megatron.core.parallel_state, " \
+             "megatron.core.transformer.torch_norm" if order == "adaptor-first" else "import portspeed.megatron_adaptor"
+    out = _py(f'''
+        {first}
+        {second}
+        import portspeed, torch
+        from portspeed import translation
+        import megatron.core.tensor_parallel.random as r
+        import megatron.core.parallel_state as ps
+        from megatron.core.models.gpt import gpt_layer_specs
+        status = {{x["name"]: x["status"] for x in portspeed.report()}}
+        for name in ("megatron.core.rng.set_state", "megatron.core.rng.get_state",
+                     "megatron.core.parallel_state.nccl_options", "megatron.core.fallbacks.torch_norm_sp",
+                     "torch.tensor_cuda", "torch.tensor_type"):
+            assert status[name] == "applied", (name, status[name])
+        assert r.torch is translation.torch_view() and ps.torch is translation.torch_view()
+        assert r._lazy_call == translation.cuda_view()._lazy_call
+        assert r._set_cuda_rng_state.__module__.startswith("portspeed")
+        assert getattr(gpt_layer_specs.LNImpl, "__wrapped__", None) is not None
+        assert torch.cuda.is_available() is False
+        print("ok")
+    ''', tmp_path)
+    assert "ok" in out
+
+
+def test_rng_tracker_keeps_its_own_state(tmp_path) -> None:
+    """The tracker's TP-rank state lives apart from the default generator: fork swaps it in and out."""
+    out = _py(['''
+        import portspeed.megatron_adaptor
+        import torch
+    ''', SINGLE_RANK_WORLD, '''
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(123)
+        tracker = get_cuda_rng_tracker()
+        before = torch.get_rng_state()
+        with tracker.fork():
+            a = torch.rand(4)
+        assert torch.equal(torch.get_rng_state(), before), "fork must restore the default generator"
+        with tracker.fork():
+            b = torch.rand(4)
+        ref = torch.Generator().manual_seed(123 + 2718)   # Megatron's TP-rank-0 seed
+        assert torch.equal(a, torch.rand(4, generator=ref)) and torch.equal(b, torch.rand(4, generator=ref))
+        outside = torch.rand(4)
+        assert not torch.equal(outside, a)
+        print("ok")
+    '''], tmp_path)
+    assert "ok" in out
+
+
+def test_cuda_kernel_defaults_fall_back_with_one_log_line(tmp_path) -> None:
+    out = _py('''
+        import portspeed.megatron_adaptor
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        kw = dict(num_layers=2, hidden_size=8, num_attention_heads=2, masked_softmax_fusion=True,
+                  persist_layer_norm=True, gradient_accumulation_fusion=True, bias_activation_fusion=True)
+        for _ in range(2):
+            c = TransformerConfig(**kw)
+        assert not (c.masked_softmax_fusion or c.persist_layer_norm or c.gradient_accumulation_fusion
+                    or c.bias_activation_fusion)
+        print("ok")
+    ''', tmp_path)
+    assert "ok" in out
+    for field in ("masked_softmax_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
+                  "bias_activation_fusion"):
+        assert out.count(f"portspeed: {field} has no cpu kernel") == 1, out
+
+
+def test_broadcast_from_last_pipeline_stage_on_cpu(tmp_path) -> None:
+    """The inference broadcast accepts adapter-device tensors and names the device when it rejects one."""
+    out = _py(['''
+        import portspeed.megatron_adaptor
+        import torch
+    ''', SINGLE_RANK_WORLD, '''
+        from megatron.core.inference.communication_utils import broadcast_from_last_pipeline_stage
+        t = torch.arange(6, dtype=torch.float32).view(2, 3)
+        got = broadcast_from_last_pipeline_stage([2, 3], torch.float32, t)
+        assert torch.equal(got, t)
+        try:
+            broadcast_from_last_pipeline_stage([2, 3], torch.float32, torch.empty(2, 3, device="meta"))
+        except AssertionError as exc:
+            assert "'cpu' device" in str(exc) and "meta" in str(exc), exc
+        else:
+            raise SystemExit("a meta tensor was accepted")
+        print("ok")
+    '''], tmp_path)
+    assert "ok" in out
+
+
+def test_nccl_only_options_are_dropped(tmp_path) -> None:
+    out = _py(['''
+        import portspeed.megatron_adaptor
+        import torch
+    ''', SINGLE_RANK_WORLD.replace("ps.initialize_model_parallel(1, 1)",
+                                   "ps.initialize_model_parallel(1, 1, use_sharp=False, "
+                                   "high_priority_stream_groups=['dp'])"), '''
+        assert ps.model_parallel_is_initialized()
+        print("ok")
+    '''], tmp_path)
+    assert "ok" in out and "high_priority_stream_groups" in out
+
+
+def test_loss_record_meta(tmp_path) -> None:
+    out = _py('''
+        import json
+        from portspeed.megatron_adaptor import open_loss_log
+        w = open_loss_log("''' + str(tmp_path / "rec.json") + '''", {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, "fp32")
+        w.add(1, 4.5, 1.25)
+        rec = json.load(open("''' + str(tmp_path / "rec.json") + '''"))
+        assert rec["meta"]["layout"] == {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, rec
+        assert rec["meta"]["accelerator"] == "cpu" and rec["meta"]["versions"]["megatron-core"]
+        assert rec["iterations"][0]["lm_loss"] == 4.5 and rec["iterations"][0]["grad_norm"] == 1.25
+        print("ok")
+    ''', tmp_path)
+    assert "ok" in out
