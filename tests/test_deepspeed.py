@@ -167,7 +167,7 @@ def test_megatron_deepspeed_style_run_matches(runs: dict[str, Any], tmp_path: Pa
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     if not (ROOT / "portspeed" / "megatron_adaptor.py").exists():
         pytest.skip("portspeed.megatron_adaptor is not in this tree yet")
-    keys = "1:fp32,2:bf16,3:fp32"
+    keys = "2:bf16,3:fp32"
     rec = _train(tmp_path, "megatron_ds", 2, "--runs", keys, "--megatron")
     for key in keys.split(","):
         assert rec["runs"][key]["losses"] == runs["ported"]["runs"][key]["losses"], key
