@@ -11,21 +11,29 @@ too, so layouts are compared from shared weights. Each layout's per-iteration ``
 must match the single-process TP1 run within 1e-5 (fp32). The command line is the
 example's (``examples/stock/pretrain_gpt_cpu.sh``): Megatron's defaults, including
 ``--distributed-backend nccl`` and its CUDA-kernel fusions, are left as a GPU user has them.
+
+The first tests need no checkout (CI runs them): the megatron.training patches and import
+finders against the installed megatron-core.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
+import logging
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from portspeed.losslog import parse_megatron_log
+from portspeed.patches.megatron import _training_common, training_arguments, training_compile_helpers
 
-pytestmark = [pytest.mark.stock, pytest.mark.multiproc, pytest.mark.megatron]
+pytestmark = [pytest.mark.megatron]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "stock" / "pretrain_gpt_cpu.sh"
@@ -45,6 +53,13 @@ LAYOUTS = {
 }
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def _skip_reason() -> str | None:
     root = os.environ.get("MEGATRON_LM_ROOT", "").strip()
     if not root:
@@ -53,9 +68,9 @@ def _skip_reason() -> str | None:
     for needed in ("megatron/training/__init__.py", "pretrain_gpt.py", "tools/preprocess_data.py"):
         if not (base / needed).is_file():
             return f"MEGATRON_LM_ROOT={root} is not a Megatron-LM checkout: {needed} is missing"
-    if importlib.util.find_spec("megatron.core") is None:
+    if not _importable("megatron.core"):
         return "megatron-core is not installed (pip install -e '.[megatron]')"
-    missing = [pkg for mod, pkg in TRAINING_IMPORTS.items() if importlib.util.find_spec(mod) is None]
+    missing = [pkg for mod, pkg in TRAINING_IMPORTS.items() if not _importable(mod)]
     if missing:
         return f"Megatron-LM's training code imports packages that are not installed: pip install {' '.join(missing)}"
     for script in (EXAMPLE, DATASET):
@@ -65,8 +80,120 @@ def _skip_reason() -> str | None:
 
 
 _REASON = _skip_reason()
-if _REASON:
-    pytestmark.append(pytest.mark.skip(reason=_REASON))
+needs_checkout = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+needs_megatron_core = pytest.mark.skipif(not _importable("megatron.core"), reason="megatron-core is not installed")
+
+
+# ---------------------------------------------------------------------- without a checkout
+FINDERS_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    out = {}
+    try:
+        import megatron.core.transformer.custom_layers.batch_invariant_kernels
+        out["without_finder"] = "imported"
+    except ModuleNotFoundError as exc:
+        out["without_finder"] = exc.name
+    from portspeed.patches.megatron import training_imports as ti
+    ti.install()
+    import megatron.core.transformer.custom_layers.batch_invariant_kernels as bik
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import enable_batch_invariant_mode
+    out["standin"] = getattr(bik, "__portspeed_standin__", False)
+    out["enabled"] = bik.is_batch_invariant_mode_enabled()
+    try:
+        enable_batch_invariant_mode()
+        out["enable"] = "no error"
+    except ti.BatchInvariantModeUnavailable as exc:
+        out["enable"] = str(exc)
+    spec = ti._HelpersFinder().find_spec(ti.HELPERS_CPP, None)
+    out["helpers_origin"] = spec.origin if spec else None
+    out["wheel_helpers"] = str(ti.wheel_helpers_path())
+    ti._imported_core_version = lambda: "0.0.0"
+    out["helpers_other_version"] = ti._HelpersFinder().find_spec(ti.HELPERS_CPP, None) is not None
+    from portspeed.patches.megatron import training_compile_helpers as ch
+    calls = []
+    ch.skip_build_when_prebuilt(lambda: calls.append("make"), None, (), {})
+    out["make_called"] = bool(calls)
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@needs_megatron_core
+@pytest.mark.skipif(_importable("triton"), reason="triton is installed here, so Megatron's own module imports")
+def test_import_finders_answer_what_cannot_import_off_cuda() -> None:
+    """Without triton the batch-invariant module is a stand-in that refuses the mode; helpers come from the wheel."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PORTSPEED_ACCELERATOR="cpu")
+    res = subprocess.run([sys.executable, "-c", FINDERS_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert out["without_finder"] == "triton", "the module imported without triton: the finder is not needed"
+    assert out["standin"] is True and out["enabled"] is False
+    assert "drop --batch-invariant-mode" in out["enable"]
+    assert out["wheel_helpers"] != "None" and out["helpers_origin"] == out["wheel_helpers"]
+    assert out["helpers_other_version"] is False, "prebuilt helpers were offered to another megatron-core version"
+    assert out["make_called"] is False, "compile_helpers ran make although the extension is importable"
+
+
+def _megatron_args(**kw: object) -> argparse.Namespace:
+    base = dict(tensor_model_parallel_size=1, context_parallel_size=1, no_persist_layer_norm=False,
+                gradient_accumulation_fusion=True, masked_softmax_fusion=True, rank=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.fixture()
+def fresh_logs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_training_common, "_said", set())
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("RANK", "0")
+
+
+@pytest.mark.skipif(any(_importable(m) for m in ("apex", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda")),
+                    reason="a CUDA kernel module is installed here, so its option would not fall back")
+def test_cuda_kernel_defaults_fall_back_with_one_line_each(fresh_logs: None, caplog: pytest.LogCaptureFixture) -> None:
+    """Megatron's default fusions are turned off after validation when their kernels are absent, one log line each."""
+    seen = []
+    caplog.set_level(logging.WARNING, logger="portspeed.megatron")
+    for _ in range(2):  # a second validation (Megatron validates yaml and args paths) logs nothing new
+        args = _megatron_args()
+        training_arguments.fall_back_to_torch_paths(lambda a, d: seen.append(vars(a).copy()), None, (args, {}), {})
+        assert args.no_persist_layer_norm is True
+        assert args.gradient_accumulation_fusion is False and args.masked_softmax_fusion is False
+    assert seen[0]["gradient_accumulation_fusion"] is True, "options must be changed after Megatron validated them"
+    lines = [r.getMessage() for r in caplog.records]
+    for flag in ("--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"):
+        assert sum(flag in line for line in lines) == 1, lines
+
+
+def test_tensor_parallel_gets_one_launch_queue_unless_set_or_fsdp(fresh_logs: None) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 is set before Megatron asserts it, only for TP/CP without FSDP, never overriding."""
+    def megatron_check(a: argparse.Namespace, d: dict) -> None:
+        if a.tensor_model_parallel_size > 1 and not getattr(a, "use_torch_fsdp2", False):
+            assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+
+    training_arguments.fall_back_to_torch_paths(megatron_check, None, (_megatron_args(tensor_model_parallel_size=2), {}), {})
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS")
+    training_arguments.fall_back_to_torch_paths(
+        megatron_check, None, (_megatron_args(tensor_model_parallel_size=2, use_torch_fsdp2=True), {}), {})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    training_arguments.fall_back_to_torch_paths(megatron_check, None, (_megatron_args(), {}), {})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
+    training_arguments.fall_back_to_torch_paths(lambda a, d: None, None, (_megatron_args(tensor_model_parallel_size=2), {}), {})
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
+def test_compile_helpers_builds_when_nothing_prebuilt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no importable extension, Megatron's own build runs as before."""
+    monkeypatch.setattr(training_compile_helpers, "_helpers_found", lambda: False)
+    calls = []
+    training_compile_helpers.skip_build_when_prebuilt(lambda: calls.append("make"), None, (), {})
+    assert calls == ["make"]
+
+
+# ---------------------------------------------------------------------- with a Megatron-LM checkout
 
 
 def _env(nproc: int, tp: int, pp: int) -> dict[str, str]:
@@ -117,6 +244,9 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "baseline_log": baseline_log}
 
 
+@pytest.mark.stock
+@pytest.mark.multiproc
+@needs_checkout
 def test_single_process_baseline_trains_from_the_checkpoint(stock: dict) -> None:
     """TP1 runs all iterations on the indexed dataset, learns, and says once which kernels fell back."""
     losses = stock["baseline"]
@@ -128,6 +258,9 @@ def test_single_process_baseline_trains_from_the_checkpoint(stock: dict) -> None
         assert log.count(f"portspeed: {feature} needs") == 1, f"expected one fallback line for {feature}"
 
 
+@pytest.mark.stock
+@pytest.mark.multiproc
+@needs_checkout
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process_loss(stock: dict, layout: str) -> None:
     """Per-iteration lm loss of TP/PP/DP layouts equals the TP1 run within 1e-5 (fp32, shared weights)."""
