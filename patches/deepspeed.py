@@ -8,7 +8,8 @@ most of the port. Two things remain, declared here:
   because the object subclasses DeepSpeed's classes): fills DeepSpeed's injection slot,
   ``real_accelerator.ds_accelerator``, the variable ``set_accelerator`` writes, with the
   portspeed-backed object. Declared as a patch so ``portspeed.manager().revert()`` empties
-  the slot again and DeepSpeed goes back to its own detection.
+  the slot again and DeepSpeed goes back to its own detection. Inactive on the CUDA adapter,
+  where DeepSpeed's own CUDA accelerator (and its kernels) is the right answer.
 - ``deepspeed.comm.init_distributed.backend``: an explicit ``dist_backend`` (scripts
   written for GPUs pass ``"nccl"``) overrides the accelerator's backend in DeepSpeed, so
   it is routed to the adapter's backend. Everything else DeepSpeed does there (MPI /
@@ -166,6 +167,11 @@ PATCHES: list[Patch] = [
 ]
 
 
+def _not_cuda(accelerator: Any) -> bool:
+    """DeepSpeed runs CUDA natively (with its CUDA kernels); portspeed changes nothing there."""
+    return accelerator.device_type != "cuda"
+
+
 def accelerator_patch(ds_accelerator: Any) -> Patch:
     """The patch that puts ``ds_accelerator`` in DeepSpeed's injection slot (see the module docstring)."""
     return Patch(
@@ -175,6 +181,7 @@ def accelerator_patch(ds_accelerator: Any) -> Patch:
         impl=ds_accelerator,
         distribution=DISTRIBUTION,
         versions=VERSIONS,
+        when=_not_cuda,
         reason=("DeepSpeed asks one injected accelerator object for every device answer; portspeed fills "
                 "that slot (what deepspeed.accelerator.set_accelerator writes) with an adapter-backed object"),
     )

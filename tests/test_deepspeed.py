@@ -357,6 +357,21 @@ def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
     assert got["reapplied"] == "PortspeedCpuAccelerator"
 
 
+def test_cuda_adapter_leaves_deepspeed_its_own_accelerator() -> None:
+    """On the CUDA adapter DeepSpeed keeps its own accelerator (its CUDA kernels): the patch is inactive, not failed."""
+    got = _child("""
+        import json, portspeed
+        from portspeed.adapters.cuda import CudaAccelerator
+        portspeed.set_accelerator(CudaAccelerator())
+        import portspeed.deepspeed_adaptor, deepspeed
+        acc = deepspeed.accelerator.get_accelerator()
+        rec = {r["name"]: r for r in portspeed.report()}
+        print(json.dumps({"module": type(acc).__module__, "status": rec["deepspeed.accelerator"]["status"]}))
+    """)
+    assert got["status"] == "inactive"
+    assert got["module"].startswith("deepspeed.accelerator.")
+
+
 def test_program_injected_accelerator_is_left_in_place() -> None:
     """An accelerator the program gave DeepSpeed's set_accelerator itself is an explicit choice: portspeed keeps it."""
     got = _child("""
