@@ -146,7 +146,7 @@ def test_routing_is_in_the_report(runs: dict[str, Any]) -> None:
 
 @pytest.mark.multiproc
 def test_nccl_request_runs_on_standin_backend_and_matches_gloo(runs: dict[str, Any], tmp_path: Path) -> None:
-    """ZeRO-2 asked for 'nccl' runs on the stand-in vendor backend (not Gloo) and matches the Gloo losses, fp32 and bf16."""
+    """ZeRO-2 asked for 'nccl' runs on the stand-in vendor backend, not Gloo, and matches Gloo's losses (fp32, bf16)."""
     pre = ("import portspeed, portspeed.testing.standin_ccl as standin\n"
            "portspeed.set_accelerator(standin.StandinAccelerator())")
     rec = _train(tmp_path, "standin", 2, "--runs", "2:fp32,2:bf16", "--dist-backend", "nccl", pre=pre)
@@ -207,7 +207,7 @@ _PROBE = """
 
 @pytest.mark.parametrize("order", ["adaptor_first", "deepspeed_first"])
 def test_deepspeed_gets_adapter_backed_accelerator(order: str) -> None:
-    """Either import order: DeepSpeed's get_accelerator() is the adapter-backed object, with DeepSpeed's CPU quirks fixed."""
+    """Either import order: DeepSpeed's get_accelerator() is the adapter-backed object, CPU quirks fixed."""
     imports = ("import sys, portspeed.deepspeed_adaptor\nDS_BEFORE = 'deepspeed' in sys.modules\nimport deepspeed\n"
                if order == "adaptor_first" else
                "import sys, deepspeed\nDS_BEFORE = True\nimport portspeed.deepspeed_adaptor\n")
@@ -233,7 +233,7 @@ def test_importing_the_adaptor_does_not_import_deepspeed() -> None:
 
 
 def test_ds_accelerator_env_contradiction_raises() -> None:
-    """DS_ACCELERATOR naming another device than the adapter's fails DeepSpeed's import with a ConfigError saying what to do."""
+    """DS_ACCELERATOR naming another device than the adapter's fails `import deepspeed` with a ConfigError."""
     proc = subprocess.run([sys.executable, "-c", "import portspeed.deepspeed_adaptor, deepspeed"],
                           capture_output=True, text=True, timeout=TIMEOUT, env=_clean_env(DS_ACCELERATOR="cuda"))
     assert proc.returncode != 0
@@ -287,7 +287,7 @@ def test_nccl_is_mapped_by_the_deepspeed_patch_when_router_patches_are_disabled(
 
 
 def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
-    """Megatron-DeepSpeed style: both adaptors in one process; every patch once, both sets reported, revert restores all."""
+    """Both adaptors in one process: every patch once, both sets reported, revert restores everything."""
     if not (ROOT / "portspeed" / "megatron_adaptor.py").exists():
         pytest.skip("portspeed.megatron_adaptor is not in this tree yet")
     got = _child("""
@@ -307,7 +307,9 @@ def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
                 owner, attr = _resolve(sys.modules[mod], tuple(path.split(".")))
             except AttributeError:
                 return None
-            return owner.__dict__.get(attr, getattr(owner, attr)) if hasattr(owner, "__dict__") else getattr(owner, attr)
+            if hasattr(owner, "__dict__"):
+                return owner.__dict__.get(attr, getattr(owner, attr))
+            return getattr(owner, attr)
         before = {p.target: current(p.target) for p in declared}
         slot_before = real_accelerator.ds_accelerator
 
