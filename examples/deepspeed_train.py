@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
         record["routes"] = routes()
         record["real_backend"] = portspeed.router.real_backend()
+        record["router_rewrites"] = portspeed.router.stats()
         record["report"] = [{k: r[k] for k in ("name", "status", "detail")} for r in portspeed.report()]
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:
