@@ -239,8 +239,8 @@ def save_checkpoint(args: argparse.Namespace, model: list, optimizer: Any, itera
     dist_checkpointing.save(sharded_state(model, optimizer, iteration, True, loading=False), args.save)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def setup(args: argparse.Namespace) -> tuple[list, Any, TransformerConfig, int]:
+    """Process groups, model chunks, optimizer, schedule hooks, and the checkpoint if any."""
     init_distributed(args)
     model, config = build_model(args)
     optimizer = get_megatron_optimizer(
@@ -255,37 +255,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.overlap_param_gather:
         config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
     start = load_checkpoint(args, model, optimizer) if args.load else 0
+    return model, optimizer, config, start
 
-    holds_loss = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-    report = holds_loss and ps.get_data_parallel_rank() == 0
+
+def train_step(args: argparse.Namespace, model: list, optimizer: Any, it: int) -> tuple[float | None, float | None, bool]:
+    """One iteration; returns (DP-averaged lm loss on the loss-holding ranks else None, grad norm, update ok)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    data = [microbatches(args, it) for _ in model]
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data if len(model) > 1 else data[0],
+        model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    gn = None if grad_norm is None else float(grad_norm)
+    if not (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0):
+        return None, gn, bool(ok)
+    loss = torch.stack([d["lm loss"] for d in losses]).mean()
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    return loss.item() / args.dp, gn, bool(ok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model, optimizer, config, start = setup(args)
+    report = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+              and ps.get_data_parallel_rank() == 0)
     writer = None
     if report:
         layout = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "vpp": args.vpp}
         writer = open_loss_log(args.loss_log, layout, "bf16" if args.bf16 else "fp32",
                                backend=dist.get_backend())
-    fwd_bwd = get_forward_backward_func()
     rank = dist.get_rank()
     for it in range(start + 1, start + args.iters + 1):
         if args.fail_rank == rank and args.fail_iter == it:
             print(f"rank {rank}: --fail-at {args.fail_at}: exiting on purpose", file=sys.stderr, flush=True)
             os._exit(17)
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        data = [microbatches(args, it) for _ in model]
-        losses = fwd_bwd(forward_step_func=forward_step, data_iterator=data if len(model) > 1 else data[0],
-                         model=model, num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-                         micro_batch_size=args.micro_batch_size, forward_only=False)
-        ok, grad_norm, _ = optimizer.step()
-        if holds_loss:
-            loss = torch.stack([d["lm loss"] for d in losses]).mean()
-            dist.all_reduce(loss, group=ps.get_data_parallel_group())
-            loss = loss.item() / args.dp
-            if report:
-                gn = None if grad_norm is None else float(grad_norm)
-                print(f"iteration {it} | lm loss: {loss!r} | grad norm: {gn!r}", flush=True)
-                if writer is not None:
-                    writer.add(it, loss, gn, skipped=not ok)
+        loss, gn, ok = train_step(args, model, optimizer, it)
+        if report:
+            print(f"iteration {it} | lm loss: {loss!r} | grad norm: {gn!r}", flush=True)
+            if writer is not None:
+                writer.add(it, loss, gn, skipped=not ok)
     if args.save:
         save_checkpoint(args, model, optimizer, start + args.iters)
     dist.barrier()

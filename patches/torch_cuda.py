@@ -1,7 +1,10 @@
 """Tensor / Module device methods that name CUDA, translated for framework callers only.
 
 ``x.cuda()``, ``x.to("cuda")``, ``module.cuda()`` and ``t.type() == 'torch.cuda.FloatTensor'``
-live on torch's classes, out of reach of the scoped torch view, so they are wrapped here.
+live on torch's classes, out of reach of the scoped torch view, so they are patched here
+(``Tensor.to`` and ``Tensor.type`` are replaced by plain functions calling torch's C methods,
+because torch itself calls them constantly and a wrapt wrapper costs ~1.5 us per call; the
+rarely called ones are wrapped).
 Each wrapper translates only when (a) the adapter is not CUDA (the ``when`` condition:
 on a CUDA adapter these patches are inactive), (b) the call names CUDA and (c) the
 caller is a framework module (see ``portspeed.translation.is_framework_module``). The
@@ -16,10 +19,10 @@ from typing import Any
 import torch
 
 from portspeed.accelerator import Accelerator, get_accelerator
-from portspeed.patch import WRAP, Patch
+from portspeed.patch import REPLACE, WRAP, Patch
 from portspeed.translation import caller_is_framework, names_cuda, translate_device
 
-__all__ = ["PATCHES", "cuda_type_string", "local_type_string"]
+__all__ = ["PATCHES", "cuda_type_string", "local_type_string", "tensor_to", "tensor_type"]
 
 
 def _not_cuda(acc: Accelerator) -> bool:
@@ -43,12 +46,38 @@ def _translate_call(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
 
 
 def _to(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Tensor.to / Module.to: a CUDA device from a framework caller goes to the adapter's device."""
+    """Module.to: a CUDA device from a framework caller goes to the adapter's device."""
     if args or kwargs:
         t = _translate_call(args, kwargs)
         if t is not None and caller_is_framework(2):
             return wrapped(*t[0], **t[1])
     return wrapped(*args, **kwargs)
+
+
+_DEVICE = torch.device
+_BASE_TO = vars(torch._C.TensorBase)["to"]
+_BASE_TYPE = vars(torch._C.TensorBase)["type"]
+
+
+def tensor_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Tensor.to (replacement; a plain function because torch calls .to everywhere, so wrapt's cost counts).
+
+    The fast path is one type check per argument; only a CUDA-naming call from a framework
+    module is translated.
+    """
+    for a in args:
+        t = type(a)
+        if (t is str and a.startswith("cuda")) or (t is _DEVICE and a.type == "cuda") or t is int:
+            break
+    else:
+        d = kwargs.get("device") if kwargs else None
+        if d is None or not names_cuda(d):
+            return _BASE_TO(self, *args, **kwargs)
+    if caller_is_framework(2):
+        t2 = _translate_call(args, kwargs)
+        if t2 is not None:
+            return _BASE_TO(self, *t2[0], **t2[1])
+    return _BASE_TO(self, *args, **kwargs)
 
 
 def _index(device: Any) -> int | None:
@@ -99,26 +128,22 @@ def local_type_string(s: str) -> str:
     return f"torch.{kind}" if dt == "cpu" else f"torch.{dt}.{kind}"
 
 
-def _tensor_type(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Tensor.type(): framework code compares against 'torch.cuda.*' strings; answer in CUDA spelling."""
-    if not args and not kwargs:
-        s = wrapped()
-        if caller_is_framework(2):
-            return cuda_type_string(s)
-        return s
-    dtype = args[0] if args else kwargs.get("dtype")
+def tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    """Tensor.type (replacement): framework code compares against 'torch.cuda.*' strings; answer in CUDA spelling."""
+    if dtype is None and not kwargs:
+        s = _BASE_TYPE(self)
+        return cuda_type_string(s) if caller_is_framework(2) else s
     if isinstance(dtype, str) and dtype.startswith("torch.cuda.") and caller_is_framework(2):
-        rest = args[1:] if args else ()
-        kw = {k: v for k, v in kwargs.items() if k != "dtype"}
-        return wrapped(local_type_string(dtype), *rest, **kw)
-    return wrapped(*args, **kwargs)
+        dtype = local_type_string(dtype)
+    return _BASE_TYPE(self, dtype, non_blocking, **kwargs)
 
 
 _REASON_TO = "framework code moves tensors to 'cuda' devices; on another adapter they belong on its device"
 _COMMON = dict(kind=WRAP, distribution="torch", versions=">=2.6", when=_not_cuda)
+_COMMON_R = dict(_COMMON, kind=REPLACE)
 
 PATCHES: list[Patch] = [
-    Patch(name="torch.tensor_to", target="torch:Tensor.to", impl=_to, reason=_REASON_TO, **_COMMON),
+    Patch(name="torch.tensor_to", target="torch:Tensor.to", impl=tensor_to, reason=_REASON_TO, **_COMMON_R),
     Patch(name="torch.tensor_cuda", target="torch:Tensor.cuda", impl=_tensor_cuda,
           reason="framework code calls tensor.cuda(); on another adapter the tensor goes to its device",
           **_COMMON),
@@ -126,7 +151,7 @@ PATCHES: list[Patch] = [
     Patch(name="torch.module_cuda", target="torch.nn:Module.cuda", impl=_module_cuda,
           reason="framework code calls model.cuda(); on another adapter parameters go to its device",
           **_COMMON),
-    Patch(name="torch.tensor_type", target="torch:Tensor.type", impl=_tensor_type,
+    Patch(name="torch.tensor_type", target="torch:Tensor.type", impl=tensor_type,
           reason="Megatron's optimizers assert grad.type() == 'torch.cuda.FloatTensor'; answer in CUDA spelling",
-          **_COMMON),
+          **_COMMON_R),
 ]

@@ -62,6 +62,7 @@ __all__ = [
     "framework_prefixes",
     "is_framework_module",
     "names_cuda",
+    "reload_prefixes",
     "torch_view",
     "translate_device",
 ]
@@ -95,15 +96,26 @@ def translate_device(value: Any) -> Any:
     if t is str:
         if not value.startswith("cuda"):
             return value
-        dev = _DEVICE(value)
-        return get_accelerator().device(dev.index)
-    if t is _DEVICE:
+        index = _DEVICE(value).index
+    elif t is _DEVICE:
         if value.type != "cuda":
             return value
-        return get_accelerator().device(value.index)
-    if t is int:
-        return get_accelerator().device(value)
-    return value
+        index = value.index
+    elif t is int:
+        index = value
+    else:
+        return value
+    acc = get_accelerator()
+    key = (id(acc), index)
+    dev = _device_cache.get(key)
+    if dev is None or dev[0] is not acc:
+        dev = (acc, acc.device(index))
+        if acc.device_type == "cpu" or index is not None:  # "cuda" alone follows the current device
+            _device_cache[key] = dev
+    return dev[1]
+
+
+_device_cache: dict[tuple[int, Any], tuple[Any, torch.device]] = {}
 
 
 def _device_index(device: Any) -> int | None:
@@ -606,41 +618,44 @@ def add_framework_prefixes(*prefixes: str) -> None:
             _scope_loaded()
 
 
-_prefix_cache: tuple[Any, tuple[str, ...], tuple[str, ...]] = (None, (), ())
+_hot_dotted: tuple[str, ...] = tuple(p + "." for p in _DEFAULT_PREFIXES)
+_hot_exact: tuple[str, ...] = _DEFAULT_PREFIXES
 
 
-def _fast_prefixes() -> tuple[str, ...]:
-    """("megatron.", ...) for startswith checks, recomputed only when the sources change."""
-    global _prefix_cache
-    key = (os.environ.get(FRAMEWORK_ENV, ""), len(_extra_prefixes))
-    if _prefix_cache[0] != key:
-        prefixes = framework_prefixes()
-        _prefix_cache = (key, tuple(p + "." for p in prefixes), prefixes)
-    return _prefix_cache[1]
+def reload_prefixes() -> tuple[str, ...]:
+    """Re-read the prefixes into the cache the hot path uses (enable() and add_framework_prefixes() call it)."""
+    global _hot_dotted, _hot_exact
+    prefixes = framework_prefixes()
+    _hot_dotted, _hot_exact = tuple(p + "." for p in prefixes), prefixes
+    return prefixes
 
 
 def is_framework_module(name: str | None) -> bool:
-    """Whether module ``name`` is a framework module (gets the view)."""
+    """Whether module ``name`` is a framework module (gets the view); reads the prefixes afresh."""
     if not name:
         return False
-    if name.startswith(_fast_prefixes()):
-        return True
-    return name in _prefix_cache[2]
+    for p in framework_prefixes():
+        if name == p or name.startswith(p + "."):
+            return True
+    return False
 
 
 def caller_is_framework(depth: int = 2) -> bool:
-    """Whether the code ``depth`` frames up (1: the caller of the function calling this) is a framework module."""
+    """Whether the code ``depth`` frames up (1: the caller of the function calling this) is a framework module.
+
+    Hot path (tensor method wrappers): uses the prefixes cached by ``reload_prefixes()``.
+    """
     try:
-        g = sys._getframe(depth).f_globals
+        name = sys._getframe(depth).f_globals.get("__name__")
     except ValueError:  # pragma: no cover - shallow stack
         return False
-    return is_framework_module(g.get("__name__"))
+    return name is not None and (name.startswith(_hot_dotted) or name in _hot_exact)
 
 
 def _make_import(real_import: Callable[..., Any]) -> Callable[..., Any]:
     def scoped_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
         mod = real_import(name, globals, locals, fromlist, level)
-        if level == 0 and _enabled and (name == "torch" or name.startswith("torch.")):
+        if level == 0 and name[:5] == "torch" and _enabled and (len(name) == 5 or name[5] == "."):
             if fromlist:
                 if name == "torch":
                     return torch_view()
@@ -773,8 +788,10 @@ def enable() -> bool:
             log.debug("portspeed: adapter %r is CUDA; torch.cuda is not translated", acc.name)
             return False
         if _enabled:
+            reload_prefixes()
             _scope_loaded()
             return True
+        reload_prefixes()
         _BUILTINS = _scoped_builtins()
         _enabled = True
         _finder = _ScopeFinder()

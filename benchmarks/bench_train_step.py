@@ -1,0 +1,150 @@
+"""A/B: one TP1 training step of examples/pretrain_gpt.py with portspeed's translation vs bypassed.
+
+A (portspeed): the step as it runs under ``import portspeed.megatron_adaptor``.
+B (bypassed): the same process, model and data, with the translation's hot entry points
+short-circuited for the timed region only: the torch view's factories become the cheapest
+hand-port (a device argument, if any, is replaced by the CPU device without looking at it;
+Megatron's step passes ``device="cuda"`` literally, so raw torch cannot run it),
+``torch.cuda.current_device()`` in the view answers ``torch.device('cpu')`` directly (what
+a hand-written CPU port would pass), framework modules' ``import`` statements use the plain
+``__import__``, and the torch_cuda wrappers on
+Tensor/Module (``to``, ``cuda``) are taken off (``type`` becomes a plain function that always
+answers in CUDA spelling, since Megatron's clip_grads asserts it every step). That is the cost floor a
+translation could reach; the ratio A/B is its overhead (goal <= 1.01).
+
+Steps alternate A,B / B,A to spread drift; the ratio of medians and the ratio of minima
+(less sensitive to other processes on a shared machine) are printed. Single
+process (world size 1, Gloo), OMP_NUM_THREADS=1::
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_train_step.py --pairs 30
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import portspeed.megatron_adaptor  # noqa: E402,F401
+
+import argparse  # noqa: E402
+import builtins  # noqa: E402
+import contextlib  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
+
+import torch  # noqa: E402
+import wrapt  # noqa: E402
+
+from portspeed import translation  # noqa: E402
+
+_METHODS = [(torch.Tensor, "to"), (torch.Tensor, "cuda"), (torch.Tensor, "type"),
+            (torch.nn.Module, "to"), (torch.nn.Module, "cuda")]
+_TYPE = torch._C.TensorBase.type
+
+
+def _direct_type(self, *args, **kwargs):
+    """Hand-port of Tensor.type for B: CUDA spelling for everyone, no caller check, no wrapt."""
+    if args or kwargs:
+        return _TYPE(self, *args, **kwargs)
+    return "torch.cuda." + _TYPE(self)[6:]
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Short-circuit the translation's hot paths (see the module docstring); restore them after."""
+    tv, cv = translation.torch_view(), translation.cuda_view()
+    saved_tv = {n: tv.__dict__[n] for n in translation.FACTORIES + ("autocast",) if n in tv.__dict__}
+    cpu = torch.device("cpu")
+    saved_methods = []
+    try:
+        for n in saved_tv:
+            tv.__dict__[n] = _forced_cpu(getattr(torch, n), cpu)
+        cv.__dict__["current_device"] = lambda: cpu
+        if translation._BUILTINS is not None:  # in-function `import` statements of framework modules
+            scoped_import = translation._BUILTINS["__import__"]
+            translation._BUILTINS["__import__"] = builtins.__import__
+        for owner, name in _METHODS:
+            raw = owner.__dict__.get(name)
+            if raw is None:
+                continue
+            if isinstance(raw, wrapt.FunctionWrapper):
+                inner = raw
+                while isinstance(inner, wrapt.FunctionWrapper):
+                    inner = inner.__wrapped__
+            elif getattr(raw, "__module__", "").startswith("portspeed"):  # a replacement function
+                inner = vars(torch._C.TensorBase)[name]
+            else:
+                continue
+            saved_methods.append((owner, name, raw))
+            setattr(owner, name, _direct_type if name == "type" else inner)
+        yield
+    finally:
+        for owner, name, raw in saved_methods:
+            setattr(owner, name, raw)
+        cv.__dict__.pop("current_device", None)
+        if translation._BUILTINS is not None:
+            translation._BUILTINS["__import__"] = scoped_import
+        tv.__dict__.update(saved_tv)
+
+
+def _forced_cpu(fn, cpu: torch.device):
+    def direct(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = cpu
+        return fn(*args, **kwargs)
+    return direct
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--pairs", type=int, default=30, help="timed A/B pairs (after warm-up)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--num-layers", default="4")
+    p.add_argument("--hidden-size", default="64")
+    opts = p.parse_args(argv)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        os.environ.setdefault(k, v)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import pretrain_gpt as pg
+
+    args = pg.parse_args(["--num-layers", opts.num_layers, "--hidden-size", opts.hidden_size, "--seq-length", "32",
+                          "--vocab-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2"])
+    model, optimizer, _, _ = pg.setup(args)
+    it = 0
+    for _ in range(opts.warmup):
+        it += 1
+        pg.train_step(args, model, optimizer, it)
+        with bypassed():
+            it += 1
+            pg.train_step(args, model, optimizer, it)
+    times: dict[str, list[float]] = {"A": [], "B": []}
+    for i in range(opts.pairs):
+        for side in ("AB" if i % 2 == 0 else "BA"):
+            it += 1
+            ctx = bypassed() if side == "B" else contextlib.nullcontext()
+            with ctx:
+                t0 = time.perf_counter()
+                pg.train_step(args, model, optimizer, it)
+                times[side].append(time.perf_counter() - t0)
+    a, b = statistics.median(times["A"]), statistics.median(times["B"])
+    amin, bmin = min(times["A"]), min(times["B"])
+    print(f"train step TP1 ({opts.num_layers} layers, hidden {opts.hidden_size}), {opts.pairs} pairs: "
+          f"portspeed median {a * 1e3:.2f} ms, bypassed median {b * 1e3:.2f} ms, ratio {a / b:.4f}; "
+          f"min {amin * 1e3:.2f} / {bmin * 1e3:.2f} ms, ratio of minima {amin / bmin:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
