@@ -100,6 +100,25 @@ def _forced_cpu(fn, cpu: torch.device):
     return direct
 
 
+def count_translation_calls(step) -> "collections.Counter[str]":
+    """Run ``step`` once under a profile hook; count calls into portspeed's translation and patch code."""
+    import collections
+
+    roots = (str(Path(translation.__file__).parent), str(Path(__file__).resolve().parents[1] / "patches"))
+    counts: collections.Counter[str] = collections.Counter()
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            counts[f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(hook)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 pg.train_step(args, model, optimizer, it)
                 times[side].append(time.perf_counter() - t0)
+    counts = count_translation_calls(lambda: pg.train_step(args, model, optimizer, it + 1))
+    print("portspeed calls in one step: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     a, b = statistics.median(times["A"]), statistics.median(times["B"])
     amin, bmin = min(times["A"]), min(times["B"])
     print(f"train step TP1 ({opts.num_layers} layers, hidden {opts.hidden_size}), {opts.pairs} pairs: "
