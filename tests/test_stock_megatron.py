@@ -145,7 +145,9 @@ def _megatron_args(**kw: object) -> argparse.Namespace:
 @pytest.fixture()
 def fresh_logs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_training_common, "_said", set())
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    # setenv first so that undo restores the variable's original state, whatever the test sets
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "placeholder")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     monkeypatch.setenv("RANK", "0")
 
 
