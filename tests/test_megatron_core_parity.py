@@ -93,6 +93,15 @@ def test_layout_matches_tp1(nproc: int, extra: list[str], init_ckpt: str, tp1: d
         assert got[it][1] == pytest.approx(tp1[it][1], rel=1e-4), f"iteration {it}: grad norm differs"
 
 
+def test_adaptor_imported_after_megatron(init_ckpt: str, tp1: dict) -> None:
+    """Import order: Megatron-Core loaded first, then the adaptor; TP2 + sequence parallel still matches TP1."""
+    res = torchrun("tests/helpers/late_import_pretrain.py", 2,
+                   [*MODEL, "--iters", "3", "--tp", "2", "--sequence-parallel", "--load", init_ckpt, "--finetune"],
+                   timeout=TIMEOUT).check()
+    got = parse_losses(res.stdout)
+    _assert_close(got, {i: tp1[i] for i in (1, 2, 3)}, FP32_TOL, "late import tp2-sp")
+
+
 def test_grad_accumulation_matches_single_microbatch(init_ckpt: str, tp1: dict) -> None:
     """8 sequences as 1 micro-batch of 8 equals 4 accumulated micro-batches of 2 (the TP1 run)."""
     got = _run(1, ["--micro-batch-size", "8"], init=init_ckpt)
