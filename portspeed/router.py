@@ -14,15 +14,19 @@ Contract
   own modules (``torch.*`` callers, e.g. ``monitored_barrier``'s Gloo check) get the real
   name. ``real_backend(group)`` always gives the real one.
 - **Rewrites.** ``all_reduce``, ``reduce``, ``reduce_scatter``, ``reduce_scatter_tensor``
-  and ``all_to_all`` ask the group's capability table (``portspeed.capabilities``) about
-  (collective, op, dtype). No gap: the original is called at once (hot path: a cache
-  lookup and a short loop). A gap: the call is rewritten into collectives the backend
+  (and torch 2.13's ``reduce_scatter_single``) and ``all_to_all`` ask the group's
+  capability table (``portspeed.capabilities``) about (collective, op, dtype); collectives
+  no table lists a gap for (all_gather, broadcast, p2p...) are not wrapped at all. No gap:
+  the original gets the caller's own arguments (hot path: the wrapper checks the op's
+  identity and the dtype against small sets cached per group). A gap: the call is rewritten into collectives the backend
   does right (unsupported dtype: compute in float32 and write back; AVG: SUM then divide;
   PREMUL_SUM: scale then SUM; MAX/MIN/PRODUCT reduce_scatter: all_reduce then slice; other
   ops of all_reduce/reduce: all_gather then reduce locally; list reduce_scatter through
   reduce_scatter_tensor; list all_to_all through all_to_all_single). Inner calls go
-  through the router again, so gaps compose (AVG on bf16 becomes a float32 SUM, divided,
-  then rounded once). Results land in the caller's tensors. ``async_op=True`` returns a
+  through the router again, so gaps compose (on the stand-in, AVG on a bf16 reduce_scatter
+  becomes a float32 SUM, divided, then rounded once). Results land in the caller's
+  tensors. What cannot be rewritten faithfully (AVG/PREMUL_SUM on integers, float64 on a
+  backend that narrows it) raises CollectiveUnsupportedError saying what to do. ``async_op=True`` returns a
   ``RewriteWork`` whose ``wait()`` finishes the rewrite.
 - **Counting.** ``stats()`` lists, per collective, how many calls were rewritten and how.
   Straight calls are not counted (that would cost on the hot path).
