@@ -269,6 +269,8 @@ def test_layout_matches_single_process_loss(stock: dict, layout: str) -> None:
     nproc, tp, pp = LAYOUTS[layout]
     text = _train(stock["work"], layout, nproc, tp, pp, stock["data"], *stock["finetune"])
     assert "distributed_backend ............................. nccl" in text, "Megatron's default backend was changed"
+    for line in ("portspeed: persist_layer_norm needs", "portspeed: megatron.core.datasets.helpers_cpp is not built"):
+        assert text.count(line) == 1, f"{line!r} should be said once per run, not once per rank"
     losses = _losses(text, layout)
     base = stock["baseline"]
     assert sorted(losses) == sorted(base)

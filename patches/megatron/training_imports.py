@@ -42,6 +42,8 @@ from portspeed.errors import PortspeedError
 from portspeed.patch import Patch
 from portspeed.versions import distribution_version
 
+from ._training_common import log_once
+
 __all__ = ["PATCHES", "BATCH_INVARIANT", "HELPERS_CPP", "install", "uninstall", "installed", "wheel_helpers_path"]
 
 log = logging.getLogger("portspeed.megatron")
@@ -149,8 +151,6 @@ def _imported_core_version() -> str | None:
 class _HelpersFinder(importlib.abc.MetaPathFinder):
     """Last on sys.meta_path: only reached when nothing else found HELPERS_CPP."""
 
-    announced = False
-
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != HELPERS_CPP:
             return None
@@ -164,10 +164,8 @@ class _HelpersFinder(importlib.abc.MetaPathFinder):
                         "megatron-core is %s; not substituting its prebuilt helpers across versions",
                         fullname, imported_version, installed_version)
             return None
-        if not self.announced:
-            self.announced = True
-            log.warning("portspeed: %s is not built in the Megatron-LM checkout; using the prebuilt one of the "
-                        "installed megatron-core %s (%s)", fullname, installed_version, located)
+        log_once("helpers_cpp", "portspeed: %s is not built in the Megatron-LM checkout; using the prebuilt one "
+                 "of the installed megatron-core %s (%s)", fullname, installed_version, located)
         return importlib.util.spec_from_file_location(fullname, located)
 
 
