@@ -246,6 +246,13 @@ def _main(kind: str) -> int:  # noqa: C901 - one list of checks, read top to bot
     for k, o in enumerate(outs):
         check(f"coalesced reduce_scatter_tensor AVG #{k}", o,
               ref("AVG", everyone((n * 2,), torch.float32, salt=k), torch.float32)[rank * 2:rank * 2 + 2])
+    outs = [torch.empty(n * 2) for _ in range(2)]
+    with _coalescing_manager(dist.group.WORLD, async_ops=True) as cm:  # Megatron's param all-gather
+        for k, o in enumerate(outs):
+            dist.all_gather_into_tensor(o, data(rank, (2,), torch.float32, salt=k))
+    cm.wait()
+    for k, o in enumerate(outs):
+        check(f"coalesced all_gather_into_tensor #{k}", o, everyone((2,), torch.float32, salt=k).float().reshape(-1))
     xs = [data(rank, (4,), torch.float32, salt=k) for k in range(2)]
     with _coalescing_manager(dist.group.WORLD):
         for x in xs:
