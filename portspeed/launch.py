@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import os
 import sys
 
 from .errors import PortspeedError
 
 __all__ = ["ADAPTORS", "LaunchError", "main", "build_parser", "resolve_adaptor", "worker_command"]
-
-log = logging.getLogger("portspeed.launch")
 
 #: short adaptor names -> module imported in every worker ("none": nothing)
 ADAPTORS: dict[str, str | None] = {

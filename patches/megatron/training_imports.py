@@ -26,6 +26,7 @@ imported ``megatron.core`` reports a version other than the installed megatron-c
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -94,8 +95,7 @@ def _batch_invariant_standin(name: str) -> types.ModuleType:
 
 class _StandinLoader(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        mod = _batch_invariant_standin(spec.name)
-        return mod
+        return _batch_invariant_standin(spec.name)
 
     def exec_module(self, module: types.ModuleType) -> None:
         log.info("portspeed: %s imports triton, which is not installed; using a stand-in "
@@ -140,8 +140,6 @@ def _imported_core_version() -> str | None:
     pkg = sys.modules.get("megatron.core.package_info")
     if pkg is None:
         try:
-            import importlib
-
             pkg = importlib.import_module("megatron.core.package_info")
         except ImportError:
             return None
@@ -191,4 +189,5 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
+    """Whether install() has put the finders in place."""
     return bool(_finders)
