@@ -9,7 +9,7 @@ __all__ = ["CORE_DIST", "CORE_VERSIONS", "not_cuda"]
 #: Distribution the core_* patches are written for.
 CORE_DIST = "megatron-core"
 #: Range verified by the tests in tests/test_megatron_core_parity.py (0.16.1).
-CORE_VERSIONS = ">=0.16,<0.17"
+CORE_VERSIONS = ">=0.15,<0.17"
 
 
 def not_cuda(acc: Accelerator) -> bool:
