@@ -26,6 +26,8 @@ test: $(STAMP)
 
 ## Tests against stock Megatron-LM; needs MEGATRON_LM_ROOT pointing at a core_v0.16.1 checkout.
 test-stock: $(STAMP)
+	@test -n "$(MEGATRON_LM_ROOT)" || { echo "set MEGATRON_LM_ROOT to a Megatron-LM checkout at tag core_v0.16.1"; exit 2; }
+	$(PY) -m pip install -q -c constraints.txt -e ".[stock]"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py
 
 bench: $(STAMP)
