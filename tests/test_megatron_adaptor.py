@@ -147,6 +147,33 @@ def test_broadcast_from_last_pipeline_stage_on_cpu(tmp_path) -> None:
     assert "ok" in out
 
 
+def test_ddp_buffer_offload_keeps_host_resident_params(tmp_path) -> None:
+    """offload_to_cpu + reload_from_cpu round-trips parameters that already live on the CPU."""
+    out = _py(['''
+        import portspeed.megatron_adaptor
+        import torch
+    ''', SINGLE_RANK_WORLD, '''
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        model_parallel_cuda_manual_seed(1)
+        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=32,
+                       max_sequence_length=8)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), gpt)
+        before = [p.detach().clone() for p in gpt.parameters()]
+        buf = ddp.buffers[0]
+        buf.offload_to_cpu(move_params=True, move_grads=True)
+        assert buf.param_data.storage().size() == 0 and buf.param_data_cpu.storage().size() > 0
+        buf.reload_from_cpu(move_params=True, move_grads=True)
+        assert all(torch.equal(a, p) for a, p in zip(before, gpt.parameters()))
+        print("ok")
+    '''], tmp_path)
+    assert "ok" in out
+
+
 def test_nccl_only_options_are_dropped(tmp_path) -> None:
     out = _py(['''
         import portspeed.megatron_adaptor
