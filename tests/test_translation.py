@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -304,6 +305,9 @@ def test_type_string_helpers(cpu_adapter) -> None:
 
 
 # ---------------------------------------------------------------------- torch.compile
+@pytest.mark.megatron
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                    reason="needs megatron-core for the framework half (pip install 'portspeed[megatron]')")
 def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
     """Inductor on CPU compiles and runs with portspeed.megatron_adaptor imported; torch.cuda stays real outside."""
     code = textwrap.dedent('''
@@ -319,6 +323,12 @@ def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
         assert torch.allclose(f(x), torch.sin(x) * 2 + 1)
         import megatron.core.jit  # a framework module: its globals see the view
         assert megatron.core.jit.torch is translation.torch_view()
+        # a framework function compiled by Megatron's jit_fuser (torch.compile): dynamo traces through the view
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu
+        b, y = torch.randn(8), torch.randn(4, 8)
+        z = b + y
+        ref = z * 0.5 * (1.0 + torch.tanh(0.79788456 * z * (1 + 0.044715 * z * z)))
+        assert torch.allclose(bias_gelu(b, y), ref, atol=1e-5)
         print("compiled-ok")
     ''')
     env = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
