@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata as _metadata
 import importlib.util
 import logging
+import sys
 import threading
 from typing import Any, ClassVar, Iterator
 
-import importlib_metadata
 import torch
 
 from . import config
@@ -284,12 +285,31 @@ _selected: Accelerator | None = None
 _reason: str = ""
 
 
-def _entry_point_adapters() -> dict[str, importlib_metadata.EntryPoint]:
+#: (sys.path when scanned, adapters found): the entry-point scan reads the metadata of every
+#: installed distribution, so it runs once per process and again only when sys.path changes
+#: (or after reset_accelerator()).
+_entry_points: tuple[tuple[str, ...], dict[str, _metadata.EntryPoint]] | None = None
+
+
+def _entry_point_adapters() -> dict[str, _metadata.EntryPoint]:
+    """Third-party adapters registered in ENTRY_POINT_GROUP, by name (cached per sys.path).
+
+    Uses the standard library's importlib.metadata (the same code as the importlib-metadata
+    backport, already loaded by torch): the backport's import pulls in email.policy, which
+    alone costs more than the whole scan.
+    """
+    global _entry_points
+    key = tuple(sys.path)
+    cached = _entry_points
+    if cached is not None and cached[0] == key:
+        return dict(cached[1])
     try:
-        eps = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+        eps = _metadata.entry_points(group=ENTRY_POINT_GROUP)
     except Exception:  # pragma: no cover - broken metadata must not stop selection
         return {}
-    return {ep.name: ep for ep in eps}
+    found = {ep.name: ep for ep in eps}
+    _entry_points = (key, found)
+    return dict(found)
 
 
 def available_adapters() -> list[str]:
@@ -301,11 +321,10 @@ def available_adapters() -> list[str]:
 
 def adapter_class(name: str) -> type[Accelerator]:
     """The adapter class registered under ``name`` (built-in or entry point)."""
-    eps = _entry_point_adapters()
     if name in BUILTIN_ADAPTERS:
         modname, _, clsname = BUILTIN_ADAPTERS[name].partition(":")
         cls = getattr(importlib.import_module(modname), clsname)
-    elif name in eps:
+    elif name in (eps := _entry_point_adapters()):
         cls = eps[name].load()
     else:
         raise UnknownAcceleratorError(
@@ -384,11 +403,12 @@ def set_accelerator(accelerator: Accelerator) -> None:
 
 
 def reset_accelerator() -> None:
-    """Forget the selection (tests); the next get_accelerator() selects again."""
-    global _selected, _reason
+    """Forget the selection and the entry-point scan (tests); the next get_accelerator() selects again."""
+    global _selected, _reason, _entry_points
     with _lock:
         _selected = None
         _reason = ""
+        _entry_points = None
 
 
 def selection_reason() -> str:

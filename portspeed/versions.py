@@ -1,10 +1,15 @@
-"""Installed distribution versions, looked up once through importlib-metadata."""
+"""Installed distribution versions, looked up once per process.
+
+The lookup uses the standard library's ``importlib.metadata`` (the code the importlib-metadata
+backport is published from; torch has loaded it already). The backport's ``version()`` imports
+email.policy on first use, which costs more than every version gate of an import together.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata as _metadata
 
-import importlib_metadata
 from packaging.version import InvalidVersion, Version
 
 __all__ = ["distribution_version", "clear_cache"]
@@ -14,8 +19,8 @@ __all__ = ["distribution_version", "clear_cache"]
 def distribution_version(name: str) -> Version | None:
     """The installed version of distribution ``name``, or None when it is not installed."""
     try:
-        raw = importlib_metadata.version(name)
-    except importlib_metadata.PackageNotFoundError:
+        raw = _metadata.version(name)
+    except _metadata.PackageNotFoundError:
         return None
     try:
         return Version(raw)
