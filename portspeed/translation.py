@@ -18,8 +18,11 @@ Contract
   torch itself and every other library keep the real ``torch.cuda``.
 
 Limits: objects a framework module received from the real torch before ``enable()`` and
-stored elsewhere than its globals (closures, containers) keep the real object. On a CUDA
-adapter nothing is translated: ``enable()`` is a no-op.
+stored elsewhere than its globals (closures, containers) keep the real object, and
+functions defined before ``enable()`` keep the builtins they were created with, so an
+``import torch`` *inside* such a function binds the real torch (module-level names are
+rebound; ``tests/test_megatron_core_parity.py::test_adaptor_imported_after_megatron``
+trains with that order). On a CUDA adapter nothing is translated: ``enable()`` is a no-op.
 
 Example::
 
