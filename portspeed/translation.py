@@ -352,8 +352,10 @@ def _view_objects() -> dict[int, tuple[Any, Any]]:
 def _scope_loaded() -> None:
     """Give already-imported framework modules the views (rebinding globals), once each."""
     pairs = None
+    prefixes = reload_prefixes()
+    dotted = tuple(p + "." for p in prefixes)
     for name, mod in list(sys.modules.items()):
-        if mod is None or name in _scoped_modules or not is_framework_module(name):
+        if mod is None or name in _scoped_modules or not (name in prefixes or name.startswith(dotted)):
             continue
         ns = getattr(mod, "__dict__", None)
         if not isinstance(ns, dict):

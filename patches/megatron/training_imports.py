@@ -36,7 +36,6 @@ import types
 from pathlib import Path
 from typing import Any, Iterator
 
-import importlib_metadata
 
 from portspeed.accelerator import get_accelerator
 from portspeed.errors import PortspeedError
@@ -122,6 +121,8 @@ class _BatchInvariantFinder(importlib.abc.MetaPathFinder):
 
 def wheel_helpers_path() -> Path | None:
     """The installed megatron-core wheel's prebuilt helpers_cpp extension, if it ships one."""
+    import importlib_metadata  # here, not at import: the backport's finder would reroute every metadata lookup
+
     try:
         files = importlib_metadata.files("megatron-core") or []
     except importlib_metadata.PackageNotFoundError:
