@@ -10,6 +10,13 @@ from the rank that holds the loss. Data is mock data generated from ``--seed`` a
 iteration number, the same global batch for every layout, so layouts that start from the
 same weights (``--load DIR --finetune`` of a checkpoint written with ``--iters 0 --save DIR``)
 must print the same losses. ``--fail-at RANK:ITER`` makes one rank die there (fault tests).
+
+Parity tooling: ``--layer-stats ITER --layer-stats-out FILE`` records per-module activation
+and gradient statistics of iteration ITER (``portspeed compare --layers A B``); the loss
+record's ``meta["router_rewrites"]`` holds ``portspeed.router.stats()`` (collectives the
+router rewrote because the backend lacks them), also printed at the end.
+``--plant-divergence ITER`` is TEST-ONLY (portspeed.testing.plant): it makes training
+wrong on purpose from ITER on, so tests can prove the tools catch it.
 """
 
 import portspeed.megatron_adaptor  # noqa: F401  (first: translation + patches before Megatron loads)
@@ -17,6 +24,7 @@ import portspeed.megatron_adaptor  # noqa: F401  (first: translation + patches b
 import argparse
 import datetime
 import functools
+import json
 import math
 import os
 import sys
@@ -39,6 +47,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from portspeed import config as ps_config
 from portspeed import get_accelerator
+from portspeed import router as ps_router
 from portspeed.megatron_adaptor import open_loss_log
 
 
@@ -73,6 +82,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-p2p-comm", action="store_true",
                    help="force batched p2p even with --vpp (with --pp 2 Megatron mismatches messages; for tests)")
     p.add_argument("--fail-at", default=None, metavar="RANK:ITER", help="fault injection: RANK exits at ITER")
+    p.add_argument("--average-in-collective", action="store_true",
+                   help="DDP averages gradients in the collective (ReduceOp.AVG) instead of pre-scaling + SUM")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: reduce gradients in bf16 (grad_reduce_in_fp32=False)")
+    p.add_argument("--layer-stats", type=int, default=None, metavar="ITER",
+                   help="record per-module activation/gradient statistics of iteration ITER")
+    p.add_argument("--layer-stats-out", default=None, metavar="FILE",
+                   help="where --layer-stats writes (JSON; {rank} is replaced by the rank)")
+    p.add_argument("--plant-divergence", type=int, default=None, metavar="ITER",
+                   help="TEST-ONLY: scale the gradient into decoder layer --plant-layer by --plant-factor from ITER on")
+    p.add_argument("--plant-layer", type=int, default=1, help="TEST-ONLY: 0-based decoder layer for --plant-divergence")
+    p.add_argument("--plant-factor", type=float, default=3.0, help="TEST-ONLY: gradient factor for --plant-divergence")
     args = p.parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     return args
@@ -107,6 +128,14 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         fail("--overlap-param-gather needs --use-distributed-optimizer")
     if args.finetune and not args.load:
         fail("--finetune needs --load DIR")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        fail("--grad-reduce-in-bf16 needs --bf16 (fp32 gradients are reduced in fp32)")
+    if (args.layer_stats is None) != (args.layer_stats_out is None):
+        fail("--layer-stats ITER and --layer-stats-out FILE go together; give both or neither")
+    if args.layer_stats is not None and args.layer_stats < 1:
+        fail(f"--layer-stats {args.layer_stats}: iterations start at 1")
+    if args.plant_divergence is not None and not 0 <= args.plant_layer < args.num_layers:
+        fail(f"--plant-layer {args.plant_layer} must be a decoder layer index in 0..{args.num_layers - 1}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
     args.fail_rank = args.fail_iter = None
     if args.fail_at:
@@ -148,7 +177,8 @@ def build_model(args: argparse.Namespace) -> tuple[list[DistributedDataParallel]
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         **recompute)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16, average_in_collective=args.average_in_collective,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None if not args.overlap_grad_reduce else 40000)
     chunks = []
@@ -279,7 +309,17 @@ def train_step(args: argparse.Namespace, model: list, optimizer: Any, it: int) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plant_divergence is not None:
+        from portspeed.testing import plant  # TEST-ONLY: wrong on purpose
+
+        plant.plant(args.plant_divergence, layer=args.plant_layer, factor=args.plant_factor)
     model, optimizer, config, start = setup(args)
+    recorder = None
+    if args.layer_stats is not None:
+        from portspeed.layerstats import LayerStatsRecorder
+
+        recorder = LayerStatsRecorder(model, iterations=[args.layer_stats], path=args.layer_stats_out,
+                                      meta={"iteration": args.layer_stats, "backend": dist.get_backend()})
     report = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
               and ps.get_data_parallel_rank() == 0)
     writer = None
@@ -292,11 +332,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.fail_rank == rank and args.fail_iter == it:
             print(f"rank {rank}: --fail-at {args.fail_at}: exiting on purpose", file=sys.stderr, flush=True)
             os._exit(17)
-        loss, gn, ok = train_step(args, model, optimizer, it)
+        if args.plant_divergence is not None:
+            plant.set_iteration(it)
+        if recorder is not None:
+            with recorder.iteration(it):
+                loss, gn, ok = train_step(args, model, optimizer, it)
+        else:
+            loss, gn, ok = train_step(args, model, optimizer, it)
         if report:
             print(f"iteration {it} | lm loss: {loss!r} | grad norm: {gn!r}", flush=True)
             if writer is not None:
+                writer.record.meta["router_rewrites"] = ps_router.stats()
+                writer.record.meta["real_backend"] = ps_router.real_backend()
                 writer.add(it, loss, gn, skipped=not ok)
+    if recorder is not None:
+        recorder.close()
+    if report:
+        print(f"router rewrites: {json.dumps(ps_router.stats(), sort_keys=True)}", flush=True)
     if args.save:
         save_checkpoint(args, model, optimizer, start + args.iters)
     dist.barrier()
