@@ -126,6 +126,17 @@ def test_avg_reduce_scatter_rewritten_in_training_matches_gloo(workdir: Path, in
     print(f"fp32 AVG: max |diff| Gloo vs stand-in {worst:.3g}; rewrites {rewrites}")
 
 
+def test_without_the_router_the_standin_run_fails_on_the_gap(init_ckpt: str) -> None:
+    """Control: the same run with the router's reduce_scatter wrappers disabled dies on the stand-in's AVG gap."""
+    res = torchrun(SCRIPT, 2, [*MODEL, "--iters", "1", *DP2_DISTOPT, "--average-in-collective", "--backend", "nccl",
+                               "--load", init_ckpt, "--finetune"], timeout=TIMEOUT,
+                   env={"PORTSPEED_ACCELERATOR": "standin",
+                        "PORTSPEED_DISABLE": "torch.distributed.reduce_scatter_single.route,"
+                                             "torch.distributed.reduce_scatter_tensor.route"})
+    assert res.returncode != 0, "the stand-in lacks AVG: without the router this run must fail"
+    assert "standin CCL: ReduceOp.AVG in reduce_scatter_tensor is not supported" in res.stderr, res.stderr[-3000:]
+
+
 def test_bf16_reduce_scatter_rewritten_in_training_matches_gloo(workdir: Path, init_ckpt: str) -> None:
     """bf16 gradients reduced in bf16: the stand-in's missing bf16 reduce_scatter is upcast; losses = Gloo's."""
     flags = [*DP2_DISTOPT, "--bf16", "--grad-reduce-in-bf16", "--backend", "nccl"]
