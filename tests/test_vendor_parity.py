@@ -157,7 +157,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_planted_divergence_is_caught_and_localised(workdir: Path, init_ckpt: str, gloo_fp32: Path) -> None:
-    """The planted gradient scaling from PLANT: compare exits 1 at PLANT+1 (loss) / PLANT (grad norm); --layers names it."""
+    """Planted gradient scaling from PLANT: compare exits 1 at PLANT+1 (loss) / PLANT (grad norm); --layers names it."""
     planted = workdir / "planted.json"
     _, stderr = _train(2, [*DP2_DISTOPT, "--average-in-collective", "--backend", "gloo", "--loss-log", str(planted),
                            "--plant-divergence", str(PLANT), "--layer-stats", str(PLANT), "--layer-stats-out",
@@ -181,3 +181,16 @@ def test_planted_divergence_is_caught_and_localised(workdir: Path, init_ckpt: st
     named = line.split("module '", 1)[1].split("'", 1)[0]
     assert named.endswith(PLANT_LAYER_MODULE), f"expected the first differing gradient in {PLANT_LAYER_MODULE}: {line}"
 
+
+
+@pytest.mark.parametrize("kwargs,needle", [({"from_iteration": 0}, "iterations start at 1"),
+                                           ({"from_iteration": 2, "layer": -1}, "0-based decoder layer"),
+                                           ({"from_iteration": 2, "factor": 1.0}, "would change nothing")])
+def test_plant_refuses_arguments_that_plant_nothing(kwargs: dict, needle: str) -> None:
+    """The test-only plant names what was wrong instead of silently planting nothing (and registers nothing)."""
+    import portspeed
+    from portspeed.testing import plant
+
+    with pytest.raises(plant.PlantError, match=needle):
+        plant.plant(**kwargs)
+    assert plant.PATCH_NAME not in {r.patch.name for r in portspeed.manager().records()}
