@@ -45,7 +45,7 @@ def test_assert_losses_match_passes_and_catches_planted_mismatch(pytester):
     """)
     result = pytester.runpytest()
     result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["*DIVERGED at iteration 3*", "FAILED*::test_planted"])
+    result.stdout.fnmatch_lines(["*DIVERGED at iteration 3*", "FAILED*::test_planted*"])
 
 
 def test_loss_golden_missing_update_then_compare(pytester):
