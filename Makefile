@@ -28,7 +28,7 @@ test: $(STAMP)
 test-stock: $(STAMP)
 	@test -n "$(MEGATRON_LM_ROOT)" || { echo "set MEGATRON_LM_ROOT to a Megatron-LM checkout at tag core_v0.16.1"; exit 2; }
 	$(PY) -m pip install -q -c constraints.txt -e ".[stock]"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done

@@ -326,7 +326,11 @@ def reset() -> None:
 
 def _count(collective: str, rewrite: str) -> None:
     with _lock:
+        first = _STATS[collective][rewrite] == 0
         _STATS[collective][rewrite] += 1
+    if first:  # once per (collective, rewrite): visible in stock Megatron logs, free afterwards
+        log.warning("portspeed: the backend lacks this form of %s; rewritten (%s). "
+                    "Counts: portspeed.router.stats(); this line is logged once.", collective, rewrite)
 
 
 # ---------------------------------------------------------------------- async completion
