@@ -363,7 +363,7 @@ def _make(name: str, reason: str) -> Accelerator:
 
 def get_accelerator() -> Accelerator:
     """The active adapter (selected once per process; see the module docstring for the order)."""
-    global _selected, _reason
+    global _selected
     if _selected is not None:
         return _selected
     with _lock:

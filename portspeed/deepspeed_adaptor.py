@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -53,20 +52,11 @@ _hooked = False
 
 
 def deepspeed_patches() -> list[Patch]:
-    """Router (when present) + DeepSpeed patches, in registration order."""
+    """Router + DeepSpeed patches, in registration order."""
     from portspeed.patches import deepspeed as ds_patches
+    from portspeed.patches import torch_distributed
 
-    out: list[Patch] = []
-    try:
-        router = importlib.import_module("portspeed.patches.torch_distributed")
-    except ModuleNotFoundError as exc:
-        if exc.name != "portspeed.patches.torch_distributed":
-            raise
-        router = None
-    if router is not None and isinstance(getattr(router, "PATCHES", None), list):
-        out += router.PATCHES
-    out += ds_patches.PATCHES
-    return out
+    return [*torch_distributed.PATCHES, *ds_patches.PATCHES]
 
 
 def ds_accelerator_for_adapter() -> Any:

@@ -19,7 +19,6 @@ explicit path; format owned by ``portspeed.losslog``) that the compare tool read
 
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any
 
@@ -46,21 +45,11 @@ def note_fallback(feature: str, reason: str) -> None:
 
 
 def megatron_patches() -> list[Patch]:
-    """torch_cuda + Megatron (+ router, when present) patches, in registration order."""
-    from portspeed.patches import torch_cuda
+    """torch_cuda + router + Megatron patches, in registration order."""
+    from portspeed.patches import torch_cuda, torch_distributed
     from portspeed.patches.megatron import all_patches
 
-    out: list[Patch] = list(torch_cuda.PATCHES)
-    try:
-        router = importlib.import_module("portspeed.patches.torch_distributed")
-    except ModuleNotFoundError as exc:
-        if exc.name != "portspeed.patches.torch_distributed":
-            raise
-        router = None
-    if router is not None and isinstance(getattr(router, "PATCHES", None), list):
-        out += router.PATCHES
-    out += all_patches()
-    return out
+    return [*torch_cuda.PATCHES, *torch_distributed.PATCHES, *all_patches()]
 
 
 class _UnlessRootHandles(logging.StreamHandler):
