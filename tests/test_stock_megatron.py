@@ -279,3 +279,51 @@ def test_layout_matches_single_process_loss(stock: dict, layout: str) -> None:
     assert deltas[worst] <= TOLERANCE, (
         f"{layout}: iteration {worst} lm loss {losses[worst]} vs TP1 {base[worst]} (|d|={deltas[worst]:.2e})"
     )
+
+
+# ---------------------------------------------------------------------- checkpoint resume
+RESUME_ITERS = 6
+RESUME_AT = 2
+#: every RESUME_LOG_INTERVAL iterations Megatron prints the mean over that window; with
+#: --log-interval 1 its second printed line of every run (fresh or resumed) is the mean of the
+#: run's first two iterations (core_v0.16.1 keeps the first iteration's totals), so a resumed
+#: run is compared on the regular windows of an interval > 1 that divides the save iteration
+RESUME_LOG_INTERVAL = 2
+RESUME_TOLERANCE = 1e-6  # the log prints 7 significant digits; the runs are bit-identical
+
+
+def test_data_iterator_build_leaves_the_shared_generator_alone() -> None:
+    """Host draws while the data iterators are built do not move the CPU adapter's device generator."""
+    import torch
+
+    from portspeed.adapters.cpu import CpuAccelerator
+    from portspeed.patches.megatron import training_data_rng
+
+    assert training_data_rng.shares_host_generator(CpuAccelerator()) is True
+    before = torch.default_generator.get_state()
+    drawn = training_data_rng.keep_device_stream(lambda: torch.empty((), dtype=torch.int64).random_().item(),
+                                                 None, (), {})
+    assert torch.equal(before, torch.default_generator.get_state()), "the build's draw moved the generator"
+    assert drawn == torch.empty((), dtype=torch.int64).random_().item(), "the build drew from another state"
+
+
+@pytest.mark.stock
+@pytest.mark.multiproc
+@needs_checkout
+def test_resume_from_checkpoint_continues_the_uninterrupted_run(tmp_path: Path) -> None:
+    """TP2 with dropout: save at iteration 2, resume with --load; the losses equal an uninterrupted run's."""
+    env = _env(2, 2, 1) | {"ITERS": str(RESUME_ITERS)}
+    common = ["--log-interval", str(RESUME_LOG_INTERVAL), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    ckpt = tmp_path / "ckpt"
+    whole = _losses(_run(["bash", str(EXAMPLE), *common], env, tmp_path, tmp_path / "whole.log"), "whole")
+    _run(["bash", str(EXAMPLE), *common, "--save", str(ckpt), "--save-interval", str(RESUME_AT),
+          "--exit-interval", str(RESUME_AT)], env, tmp_path, tmp_path / "first.log")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(RESUME_AT)
+    resumed = _losses(_run(["bash", str(EXAMPLE), *common, "--load", str(ckpt)], env, tmp_path,
+                           tmp_path / "resumed.log"), "resumed")
+    assert min(resumed) == RESUME_AT + 1, f"the resumed run did not start after the checkpoint: {sorted(resumed)}"
+    windows = list(range(RESUME_AT + RESUME_LOG_INTERVAL, RESUME_ITERS + 1, RESUME_LOG_INTERVAL))
+    assert set(windows) <= set(whole) and set(windows) <= set(resumed), (sorted(whole), sorted(resumed))
+    for it in windows:
+        assert abs(resumed[it] - whole[it]) <= RESUME_TOLERANCE, (
+            f"iteration {it}: resumed lm loss {resumed[it]} vs uninterrupted {whole[it]}")
