@@ -290,6 +290,7 @@ RESUME_AT = 2
 #: run is compared on the regular windows of an interval > 1 that divides the save iteration
 RESUME_LOG_INTERVAL = 2
 RESUME_TOLERANCE = 1e-6  # the log prints 7 significant digits; the runs are bit-identical
+DATA_RNG_PATCH = "megatron.training.data_iterators_rng"
 
 
 def test_data_iterator_build_leaves_the_shared_generator_alone() -> None:
@@ -327,3 +328,11 @@ def test_resume_from_checkpoint_continues_the_uninterrupted_run(tmp_path: Path) 
     for it in windows:
         assert abs(resumed[it] - whole[it]) <= RESUME_TOLERANCE, (
             f"iteration {it}: resumed lm loss {resumed[it]} vs uninterrupted {whole[it]}")
+
+    # control: without the patch the data-iterator build moves the restored generator, and the
+    # comparison above must see it (so it can fail)
+    control_env = env | {"PORTSPEED_DISABLE": DATA_RNG_PATCH}
+    control = _losses(_run(["bash", str(EXAMPLE), *common, "--load", str(ckpt)], control_env, tmp_path,
+                           tmp_path / "control.log"), "control")
+    worst = max(abs(control[it] - whole[it]) for it in windows)
+    assert worst > RESUME_TOLERANCE, f"with {DATA_RNG_PATCH} disabled the resume still matched (|d|={worst:.2e})"
