@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--finetune", action="store_true", help="with --load: weights only, start at iteration 0")
     p.add_argument("--loss-log", default=None, help="JSON loss record (default: PORTSPEED_LOSS_LOG)")
     p.add_argument("--backend", default=None, help="c10d backend (default: the adapter's)")
+    p.add_argument("--deallocate-pipeline-outputs", action="store_true",
+                   help="free each stage's output after sending it, as Megatron-LM's training loop does")
     p.add_argument("--batch-p2p-comm", action="store_true",
                    help="force batched p2p even with --vpp (with --pp 2 Megatron mismatches messages; for tests)")
     p.add_argument("--fail-at", default=None, metavar="RANK:ITER", help="fault injection: RANK exits at ITER")
@@ -174,6 +176,7 @@ def build_model(args: argparse.Namespace) -> tuple[list[DistributedDataParallel]
         # needs the overlapped (unbatched, even/odd ordered) p2p path there
         overlap_p2p_comm=args.vpp is not None and not args.batch_p2p_comm,
         batch_p2p_comm=args.vpp is None or args.batch_p2p_comm,
+        deallocate_pipeline_outputs=args.deallocate_pipeline_outputs,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         **recompute)
     ddp_config = DistributedDataParallelConfig(

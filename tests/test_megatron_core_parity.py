@@ -78,6 +78,8 @@ LAYOUTS = [
     pytest.param(2, ["--use-distributed-optimizer"], id="dp2-distopt"),
     pytest.param(2, ["--tp", "2", "--sequence-parallel"], id="tp2-sp"),
     pytest.param(2, ["--pp", "2", "--vpp", "2"], id="pp2-vpp2"),
+    # Megatron-LM frees each stage output after posting its send: a host backend must send a copy
+    pytest.param(2, ["--pp", "2", "--vpp", "2", "--deallocate-pipeline-outputs"], id="pp2-vpp2-dealloc"),
     pytest.param(1, ["--recompute"], id="recompute"),
     pytest.param(2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
                  id="dp2-distopt-overlap"),

@@ -8,6 +8,13 @@ Megatron-LM's argument checks forbid this layout, megatron-core alone does not. 
 wrapper raises with the fix: ``overlap_p2p_comm=True, batch_p2p_comm=False`` in the model
 config (the unbatched even/odd-ordered path), or more than 2 pipeline ranks.
 
+Megatron frees a stage's output right after posting its send (``deallocate_output_tensor``
+swaps the tensor's storage for a 1-element one; on by default in Megatron-LM). With NCCL the
+send captured the data when it was queued on the stream; a host backend (Gloo, the
+stand-in) reads the tensor while the send is in flight, so it sent the swapped storage:
+stock PP2 with virtual stages gave wrong, run-to-run different losses. On such backends
+the p2p ops send a private copy, kept alive by the send's work object.
+
 Everything else in ``p2p_communication`` runs through the translation: buffers are
 allocated on ``torch.cuda.current_device()`` (the adapter's device) and
 ``torch.cuda.synchronize()`` after batched ops is the adapter's synchronize.
@@ -50,7 +57,26 @@ def interleaved_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     return wrapped(*args, **kwargs)
 
 
+def send_private_copies(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Send copies, so freeing the caller's tensor after posting the send cannot change what is sent."""
+    for key in ("tensor_send_prev", "tensor_send_next"):
+        t = kwargs.get(key)
+        if t is not None:
+            kwargs[key] = t.clone()
+    return wrapped(*args, **kwargs)
+
+
+_SEND_COPY_REASON = ("Megatron frees a stage output right after posting its send, which NCCL has already captured; "
+                     "a host backend still reads it, so send a private copy")
+
 PATCHES: list[Patch] = [
+    Patch(name="megatron.core.p2p.send_copy", target="megatron.core.pipeline_parallel.p2p_communication:_p2p_ops",
+          kind=WRAP, impl=send_private_copies, reason=_SEND_COPY_REASON,
+          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
+    Patch(name="megatron.core.p2p.send_copy_batched",
+          target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
+          kind=WRAP, impl=send_private_copies, reason=_SEND_COPY_REASON,
+          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
     Patch(name="megatron.core.p2p.interleaved_pp2_guard",
           target="megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
           kind=WRAP, impl=interleaved_guard,
