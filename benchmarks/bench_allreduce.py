@@ -6,7 +6,8 @@ the call right it must cost next to nothing (goal: ratio <= 1.02 for 4 KB on 2 r
 Both arms run in one process group, interleaved call by call with a rotating order, so
 machine noise hits every arm alike; the ratio is median(routed call) / median(raw call).
 A second raw arm gives the control ratio (raw vs raw: the method's own noise floor), and
-the ratio over five consecutive segments shows its spread. Also printed: the
+the ratio over five consecutive segments shows its spread. A blocked A/B (20 alternating
+blocks per arm, ratio of the medians of block means) is printed too. Also printed: the
 router's own decision cost per call, measured without any collective.
 
     /work/venv/bin/python benchmarks/bench_allreduce.py --world 2 --bytes 4096
@@ -69,6 +70,21 @@ def _worker(args: argparse.Namespace) -> None:
     def ratio(name: str, part: slice = slice(None)) -> float:
         return statistics.median(times[name][part]) / statistics.median(times["raw"][part])
 
+    # blocked A/B: alternating blocks of calls (raw, routed, raw, ...), both ranks in step.
+    # Per-call interleaving (above) alternates two code paths every call; blocks let each arm
+    # run as a training loop would. Ratio of the medians of the block means.
+    blocks: dict[str, list[float]] = {"raw": [], "routed": []}
+    block = max(10, args.calls // 20)
+    for i in range(40):
+        name = ("raw", "routed")[i % 2]
+        fn = arms[name]
+        dist.barrier()
+        s0 = clock()
+        for _ in range(block):
+            fn(t)
+        blocks[name].append((clock() - s0) / block)
+    blocked_ratio = statistics.median(blocks["routed"]) / statistics.median(blocks["raw"])
+
     # the router's decision alone: a no-op stands in for the collective
     noop = lambda *a, **k: None  # noqa: E731
     start = time.perf_counter()
@@ -82,6 +98,7 @@ def _worker(args: argparse.Namespace) -> None:
             "median_us": {k: round(statistics.median(v) * 1e6, 2) for k, v in times.items()},
             "ratio": round(ratio("routed"), 4),
             "control_ratio_raw_vs_raw": round(ratio("raw_again"), 4),
+            "blocked_ratio": round(blocked_ratio, 4), "blocked_calls_per_block": block,
             "segment_ratios": [round(ratio("routed", slice(k * seg, (k + 1) * seg)), 4) for k in range(segments)],
             "other_ratios": {k: round(ratio(k), 4) for k in names if k not in ("raw", "raw_again", "routed")},
             "router_decision_us": round(decision_us, 3),
