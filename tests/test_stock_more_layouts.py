@@ -15,21 +15,16 @@ with the reason, otherwise.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.stock import SKIP_REASON, bad_rows, run_stock_gpt
 
 from portspeed.losslog import parse_megatron_log
 from portspeed.parity import Tolerance, compare, tolerance_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.stock, pytest.mark.multiproc]
 
-RUN_TIMEOUT = 600
 ITERS = 10
 
 #: name -> (processes, extra Megatron flags)
@@ -42,59 +37,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 }
 
 
-def _reason() -> str | None:
-    root = os.environ.get("MEGATRON_LM_ROOT", "").strip()
-    if not root:
-        return "MEGATRON_LM_ROOT is not set; point it at a Megatron-LM checkout (tag core_v0.16.1)"
-    if not (Path(root) / "megatron" / "training" / "__init__.py").is_file():
-        return f"MEGATRON_LM_ROOT={root} has no megatron/training: not a Megatron-LM checkout"
-    for mod, pkg in (("six", "six"), ("regex", "regex"), ("yaml", "pyyaml"), ("megatron.core", "megatron-core")):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"{pkg} is not installed (Megatron-LM's training code imports it)"
-        except ImportError:
-            return f"{pkg} is not installed (Megatron-LM's training code imports it)"
-    return None
-
-
-REASON = _reason()
-needs_checkout = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+needs_checkout = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 
 def _stock(nproc: int, log: Path, *flags: str) -> str:
-    """Run stock pretrain_gpt.py under `portspeed run`; return its output (asserting exit 0)."""
-    root = os.environ["MEGATRON_LM_ROOT"]
-    cmd = [sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), f"{root}/pretrain_gpt.py",
-           "--transformer-impl", "local", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
-           "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-           "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
-           "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
-           "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--lr-decay-iters", "10",
-           "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
-           "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1",
-           "--eval-iters", "0", "--num-workers", "0", *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PORTSPEED_ACCELERATOR="cpu",
-               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"stock run hung for {RUN_TIMEOUT}s: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
-    text = proc.stdout + proc.stderr
-    log.write_text(text)
-    assert proc.returncode == 0, f"stock run failed (exit {proc.returncode}); log {log}:\n{text[-4000:]}"
-    return text
-
-
-def _bad_rows(result) -> list[tuple]:
-    return [(r.iteration, r.ref, r.value, r.reason) for r in result.rows if not r.ok]
+    return run_stock_gpt(nproc, log, *flags, num_layers=4)
 
 
 def _finetune(work: Path, name: str, nproc: int, *flags: str) -> str:
@@ -105,8 +52,8 @@ def _finetune(work: Path, name: str, nproc: int, *flags: str) -> str:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One TP1 checkpoint after 3 iterations, and the fp32 and bf16 TP1 runs fine-tuned from it."""
-    if REASON is not None:
-        pytest.skip(REASON)
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
     work = tmp_path_factory.mktemp("stock_layouts")
     _stock(1, work / "init.log", "--train-iters", "3", "--eval-interval", "3",
            "--save", str(work / "ckpt"), "--save-interval", "3")
@@ -124,7 +71,7 @@ def test_stock_layout_matches_tp1(shared: dict, layout: str) -> None:
     run = parse_megatron_log(_finetune(shared["work"], layout, nproc, *flags), source=layout)
     assert len(run.iterations) == ITERS == len(shared["tp1"].iterations)
     result = compare(shared["tp1"], run, tolerance_for("fp32"))
-    assert result.ok, _bad_rows(result)
+    assert result.ok, bad_rows(result)
 
 
 @needs_checkout
@@ -133,4 +80,4 @@ def test_stock_bf16_tp2_matches_bf16_tp1(shared: dict) -> None:
                              source="tp2_bf16")
     assert len(run.iterations) == ITERS
     result = compare(shared["tp1_bf16"], run, Tolerance(atol=2e-3, rtol=0.0))
-    assert result.ok, _bad_rows(result)
+    assert result.ok, bad_rows(result)
