@@ -21,6 +21,7 @@ Without a launcher's environment (RANK, WORLD_SIZE, ...) it runs as one process.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -215,8 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
+    # Free the engines' reference cycles (they hold groups and tensors) while the interpreter
+    # is whole: a Gloo worker thread that drops the last reference to a tensor during
+    # interpreter shutdown cannot take the GIL and aborts the process.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    gc.collect()
     return 0
 
 

@@ -44,7 +44,7 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
               env: dict[str, str] | None = None) -> list[RankResult]:
     """Run ``python argv...`` once per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
 
-    Every rank gets OMP_NUM_THREADS=1. After ``timeout`` seconds the remaining ranks are
+    Every rank gets OMP_NUM_THREADS=1 and PYTHONFAULTHANDLER=1. After ``timeout`` seconds the remaining ranks are
     killed and their returncode is None.
     """
     if world_size < 1:
@@ -57,6 +57,7 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
         e.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                   "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+        e.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that aborts leaves its Python stacks
         procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout

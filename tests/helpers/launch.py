@@ -58,6 +58,7 @@ def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PORTSPEED_TIMEOUT", "120")
     env["PYTHONWARNINGS"] = "ignore"
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that aborts leaves its Python stacks
     env.update(extra or {})
     return env
 
