@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import sys
@@ -517,6 +518,14 @@ class PatchManager:
                     impl = classmethod(impl)
                 base = impl
                 chain = [f"replacement {p.name}"]
+            elif p.style == "function":
+                inner = base
+                base = p.impl(inner)
+                if not callable(base):
+                    raise TypeError(f"the factory of {p.name} returned {type(base).__name__}, not a callable")
+                if getattr(base, "__wrapped__", None) is not inner:  # the chain walk (report, revert) follows it
+                    base = functools.wraps(inner)(base)
+                chain.append(f"wrapper {p.name} (order {p.order}, plain function)")
             else:
                 base = wrapt.FunctionWrapper(base, p.impl)
                 chain.append(f"wrapper {p.name} (order {p.order})")
@@ -627,6 +636,7 @@ class PatchManager:
         found: list[str] = []
         original = st.original_value
         ignore = {id(st), id(self._targets)} | {id(vars(s)) for s in self._targets.values()}
+        ignore |= _chain_internals(st.installed_value, original)
         for ref in gc.get_referrers(original):
             if id(ref) in ignore or isinstance(ref, (types.FrameType, _TargetState)):
                 continue
@@ -680,6 +690,18 @@ class PatchManager:
             f"PORTSPEED_STRICT=1 and {what}. Nothing of this batch was applied. Unset PORTSPEED_STRICT "
             "to continue without it, or PORTSPEED_DISABLE it on purpose."
         )
+
+
+def _chain_internals(installed: Any, original: Any) -> set[int]:
+    """ids of the cells and __dict__s through which the installed chain itself holds the original."""
+    ids: set[int] = set()
+    obj, seen = installed, 0
+    while obj is not _MISSING and obj is not original and seen < 64:
+        if isinstance(obj, types.FunctionType):
+            ids.add(id(obj.__dict__))
+            ids.update(id(c) for c in obj.__closure__ or ())
+        obj, seen = getattr(obj, "__wrapped__", _MISSING), seen + 1
+    return ids
 
 
 def _swept_class(cls: type, st: _TargetState) -> bool:

@@ -650,44 +650,55 @@ def all_to_all(wrapped: Callable, output_tensor_list: list, input_tensor_list: l
     return _run_rewrite("all_to_all", gap, group, async_op, body)
 
 
-def _adapter(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: int | None,
-             group_at: int) -> Callable:
-    """A wrapt wrapper ``(wrapped, instance, args, kwargs)`` around a routed collective.
+def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: int | None,
+           group_at: int) -> Callable[[Callable], Callable]:
+    """A factory ``make(original) -> routed`` for a ``style="function"`` wrap patch of a collective.
 
-    The hot path is inlined here: when the group's table is cached and lists no gap for
-    this op and dtype, the original is called with the caller's own arguments, untouched.
+    ``routed`` is a plain function (no wrapt object, no re-packing of the arguments): every
+    collective Megatron issues passes through it, and on a two-rank ping-pong each object
+    it touches before the call shows in the latency (docs/benchmarks.md). The hot path:
+    when the group's table is cached and lists no gap for this op and dtype, ``original``
+    gets the caller's own arguments, untouched; otherwise ``fn`` (the rewrite) decides.
     ``tensor_at``/``op_at``/``group_at`` are the positions (and the tensor's keyword) of
     the arguments in torch's signature.
     """
     t_pos, t_kw = tensor_at if tensor_at is not None else (-1, "")
+    caps_get, canonical = _CAPS.get, _CANONICAL_OP_IDS
 
-    def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-        n = len(args)
-        caps = _CAPS.get(args[group_at] if n > group_at else kwargs.get("group"))
-        if caps is not None and type(caps) is not dict:
-            quick = caps._quick.get(name)
-            if quick is None:
-                return wrapped(*args, **kwargs)
-            if tensor_at is not None and not quick[1]:
-                op = (args[op_at] if n > op_at else kwargs.get("op", _SUM)) if op_at is not None else None
-                tensor = args[t_pos] if n > t_pos else kwargs.get(t_kw)
-                oid = id(op)  # ReduceOp objects (PREMUL_SUM, ReduceOp(x)) are not canonical: slow path
-                if oid in _CANONICAL_OP_IDS and oid not in quick[0] and getattr(tensor, "dtype", None) not in quick[2]:
-                    return wrapped(*args, **kwargs)
-        return fn(wrapped, *args, **kwargs)
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            n = len(args)
+            caps = caps_get(args[group_at] if n > group_at else kwargs.get("group"))
+            if caps is not None and type(caps) is not dict:
+                quick = caps._quick.get(name)
+                if quick is None:
+                    return original(*args, **kwargs)
+                if tensor_at is not None and not quick[1]:
+                    op = (args[op_at] if n > op_at else kwargs.get("op", _SUM)) if op_at is not None else None
+                    tensor = args[t_pos] if n > t_pos else kwargs.get(t_kw)
+                    oid = id(op)  # ReduceOp objects (PREMUL_SUM, ReduceOp(x)) are not canonical: slow path
+                    if oid in canonical and oid not in quick[0] and getattr(tensor, "dtype", None) not in quick[2]:
+                        return original(*args, **kwargs)
+            return fn(original, *args, **kwargs)
 
-    wrapper.__name__ = wrapper.__qualname__ = f"route_{name}"
-    wrapper.__doc__ = f"Route torch.distributed.{name} through portspeed.router.{fn.__name__}."
-    return wrapper
+        routed.__doc__ = f"Route torch.distributed.{name} through portspeed.router.{fn.__name__}.\n\n" + (
+            original.__doc__ or "")
+        return routed
+
+    make.__name__ = make.__qualname__ = f"route_{name}"
+    make.__doc__ = f"Factory: torch.distributed.{name} routed through portspeed.router.{fn.__name__}."
+    return make
 
 
-#: wrapt wrappers for the collectives the router handles, by torch.distributed function name
-#: (``reduce_scatter_single`` is torch 2.13's name for reduce_scatter_tensor; tables use the old name).
-COLLECTIVE_WRAPPERS: dict[str, Callable] = {
-    "all_reduce": _adapter("all_reduce", all_reduce, (0, "tensor"), 1, 2),
-    "reduce": _adapter("reduce", reduce, (0, "tensor"), 2, 3),
-    "reduce_scatter_tensor": _adapter("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
-    "reduce_scatter_single": _adapter("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
-    "reduce_scatter": _adapter("reduce_scatter", reduce_scatter, (0, "output"), 2, 3),
-    "all_to_all": _adapter("all_to_all", all_to_all, None, None, 2),
+#: factories ``make(original) -> routed`` for the collectives the router handles, by
+#: torch.distributed function name (``reduce_scatter_single`` is torch 2.13's name for
+#: reduce_scatter_tensor; tables use the old name).
+COLLECTIVE_ROUTES: dict[str, Callable[[Callable], Callable]] = {
+    "all_reduce": _route("all_reduce", all_reduce, (0, "tensor"), 1, 2),
+    "reduce": _route("reduce", reduce, (0, "tensor"), 2, 3),
+    "reduce_scatter_tensor": _route("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
+    "reduce_scatter_single": _route("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
+    "reduce_scatter": _route("reduce_scatter", reduce_scatter, (0, "output"), 2, 3),
+    "all_to_all": _route("all_to_all", all_to_all, None, None, 2),
 }

@@ -182,10 +182,11 @@ def test_supported_call_goes_straight_through_with_the_callers_arguments(routed)
         seen.append((args, kwargs))
 
     t = torch.ones(4)
-    wrapper = router.COLLECTIVE_WRAPPERS["all_reduce"]
-    wrapper(spy, None, (t,), {})  # first call fills the cache
-    wrapper(spy, None, (t,), {"op": R.SUM})
+    routed = router.COLLECTIVE_ROUTES["all_reduce"](spy)
+    routed(t)  # first call fills the cache
+    routed(t, op=R.SUM)
     assert seen[1][0][0] is t and seen[1][1] == {"op": R.SUM}
+    assert routed.__wrapped__ is spy and routed.__name__ == "spy"
     assert router.stats() == {}
 
 
