@@ -10,6 +10,10 @@ the ratio over five consecutive segments shows its spread. A blocked A/B (20 alt
 blocks per arm, ratio of the medians of block means) is printed too. Also printed: the
 router's own decision cost per call, measured without any collective.
 
+``--diagnose`` adds arms that put a do-nothing layer in front of the raw call (a plain
+function, a wrapt FunctionWrapper, 3 µs of busy work): what any layer costs on this
+ping-pong, as a yardstick for the routed arm.
+
     /work/venv/bin/python benchmarks/bench_allreduce.py --world 2 --bytes 4096
 """
 
