@@ -11,8 +11,8 @@ installed as ``wrapt.FunctionWrapper`` objects (``style="wrapt"``, the default).
 module-level function on a per-call hot path, ``style="function"`` takes a factory
 instead: ``impl(inner)`` returns a plain function that calls ``inner`` (decorate it with
 ``functools.wraps(inner)`` so name, docstring and signature stay right). It skips the
-wrapt object and the packing of ``args``/``kwargs`` on every call: measurably cheaper for
-collectives (docs/benchmarks.md). Several wrappers of one target, of either style, chain
+wrapt object and its ``(wrapped, instance, args, kwargs)`` call on every call: measurably
+cheaper for collectives (docs/benchmarks.md). Several wrappers of one target, of either style, chain
 by ``order`` (lower is closer to the original), then by registration order.
 
 Example::

@@ -326,6 +326,43 @@ def test_replacement_plus_wrappers(mods: Modules, mgr: PatchManager) -> None:
     assert mgr.chain(target) == ["replacement r", "wrapper w (order 0)"]
 
 
+def test_function_style_wrapper_chains_reverts_and_keeps_introspection(mods: Modules, mgr: PatchManager) -> None:
+    """style="function": the factory's plain function is installed (no wrapt object), chained with
+    wrapt-style wrappers by order, reported without its own closure, and reverted by identity."""
+    import inspect
+
+    t = imp(mods.target())
+    target = f"{t.__name__}:f"
+    original = t.f
+
+    def factory(inner: Any) -> Any:
+        def fast(*args: Any, **kwargs: Any) -> Any:
+            return ("fast", inner(*args, **kwargs))
+        return fast  # no functools.wraps: the manager applies it
+
+    mgr.register([Patch(name="fast", target=target, kind="wrap", impl=factory, style="function",
+                        reason="test"), wrap("w", target, order=1)])
+    mgr.apply()
+    assert t.f(2) == ("w", ("fast", ("f", 2)))
+    assert mgr.chain(target) == [f"original {target}", "wrapper fast (order 0, plain function)",
+                                 "wrapper w (order 1)"]
+    fast = t.f.__wrapped__
+    assert type(fast).__name__ == "function" and fast.__wrapped__ is original
+    assert fast.__name__ == "f" and inspect.signature(fast) == inspect.signature(original)
+    assert status(mgr, "fast")["status"] == "applied"
+    assert mgr.report(deep=True)[0].get("unrebindable", []) == []
+    mgr.revert()
+    assert t.f is original
+
+
+def test_function_style_rejects_bad_use() -> None:
+    """A style other than wrapt/function, or style='function' on a replacement, is a definition error."""
+    with pytest.raises(PatchDefinitionError, match="style must be 'wrapt' or 'function'"):
+        Patch(name="x", target="m:f", kind="wrap", impl=lambda w, i, a, k: w(*a, **k), style="fast", reason="r")
+    with pytest.raises(PatchDefinitionError, match="style='function' is for wrap patches"):
+        Patch(name="x", target="m:f", kind="replace", impl=lambda: None, style="function", reason="r")
+
+
 def test_wrapper_registered_on_active_manager_recomposes_and_rebinds(mods: Modules, mgr: PatchManager) -> None:
     """Adding a wrapper after apply rebuilds the chain and moves aliases of the old chain to the new one."""
     t = imp(mods.target())
