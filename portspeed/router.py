@@ -663,7 +663,7 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
     the arguments in torch's signature.
     """
     t_pos, t_kw = tensor_at if tensor_at is not None else (-1, "")
-    caps_get, canonical = _CAPS.get, _CANONICAL_OP_IDS
+    caps_get, canonical = _CAPS.get, _CANONICAL_OP_IDS  # _CAPS is only ever mutated, never rebound
 
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
