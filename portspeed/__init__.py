@@ -12,11 +12,16 @@ See the README for the status of each adapter and patch set.
 from __future__ import annotations
 
 import logging as _logging
+import threading as _threading
+from typing import TYPE_CHECKING, Any
 
-from .accelerator import Accelerator, get_accelerator, set_accelerator
+from . import manager as _manager_module  # before `def manager` below, which must win the name
 from .errors import PortspeedError
-from .manager import PatchManager
-from .patch import REPLACE, WRAP, Patch
+
+if TYPE_CHECKING:
+    from .accelerator import Accelerator, get_accelerator, set_accelerator
+    from .manager import PatchManager
+    from .patch import REPLACE, WRAP, Patch
 
 __all__ = [
     "Accelerator",
@@ -36,14 +41,52 @@ __version__ = "0.1.0"
 
 _logging.getLogger("portspeed").addHandler(_logging.NullHandler())
 
-_manager = PatchManager()
+#: Public names served from submodules on first use, so that importing an adaptor (which
+#: imports this package) loads nothing it does not need yet (docs/benchmarks.md, import).
+_LAZY = {
+    "Accelerator": "accelerator", "get_accelerator": "accelerator", "set_accelerator": "accelerator",
+    "Patch": "patch", "REPLACE": "patch", "WRAP": "patch",
+}
 
 
-def manager() -> PatchManager:
+def __getattr__(name: str) -> Any:
+    if name == "PatchManager":
+        return _manager_module.PatchManager
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'portspeed' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+_manager: "PatchManager | None" = None
+_manager_lock = _threading.Lock()
+
+
+def manager() -> "PatchManager":
     """The process-wide patch manager that the adaptors register into."""
+    global _manager
+    if _manager is None:
+        with _manager_lock:
+            if _manager is None:
+                _manager = _manager_module.PatchManager()
     return _manager
 
 
 def report(deep: bool = False) -> list[dict]:
-    """Every patch of the process-wide manager with its status; ``deep`` also lists unrebindable references."""
-    return _manager.report(deep=deep)
+    """Every patch of the process-wide manager with its status; ``deep`` also lists unrebindable references.
+
+    An adaptor whose set-up still waits for its framework's first import
+    (``portspeed.activation``) is set up first, so the report shows what will be patched.
+    """
+    from .activation import activate_waiting
+
+    activate_waiting()
+    return manager().report(deep=deep)

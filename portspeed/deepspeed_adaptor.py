@@ -1,6 +1,8 @@
 """Import this (before or after DeepSpeed: order does not matter) to run DeepSpeed on the active adapter.
 
-Importing it
+Importing it validates the PORTSPEED_* environment and arranges for ``activate()`` to run
+when ``deepspeed`` is first imported, before DeepSpeed's code runs; at once when DeepSpeed
+is already imported (``portspeed.activation``). ``activate()``
 - registers ``portspeed.patches.deepspeed`` and, when the collective router is installed,
   ``portspeed.patches.torch_distributed`` into ``portspeed.manager()`` and applies them
   (lazily: each waits for the import of its module);
@@ -32,14 +34,13 @@ import logging
 import os
 import threading
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import wrapt
-
-import portspeed
-from portspeed.accelerator import get_accelerator
+from portspeed import activation, config
 from portspeed.errors import ConfigError
-from portspeed.patch import Patch
+
+if TYPE_CHECKING:
+    from portspeed.patch import Patch
 
 __all__ = ["activate", "deactivate", "deepspeed_patches", "ds_accelerator_for_adapter"]
 
@@ -61,6 +62,8 @@ def deepspeed_patches() -> list[Patch]:
 
 def ds_accelerator_for_adapter() -> Any:
     """The DeepSpeed accelerator object for the active adapter (one per adapter per process)."""
+    from portspeed.accelerator import get_accelerator
+
     adapter = get_accelerator()
     with _lock:
         acc = _built.get(id(adapter))
@@ -75,6 +78,8 @@ def ds_accelerator_for_adapter() -> Any:
 def _check_ds_accelerator_env(device_type: str) -> None:
     requested = os.environ.get("DS_ACCELERATOR", "").strip()
     if requested and requested != device_type:
+        from portspeed.accelerator import get_accelerator
+
         raise ConfigError(
             f"DS_ACCELERATOR={requested!r} asks DeepSpeed for its own {requested!r} accelerator, but portspeed's "
             f"active adapter is {get_accelerator().name!r} (device {device_type!r}); unset DS_ACCELERATOR, or "
@@ -94,6 +99,7 @@ def _on_real_accelerator(module: types.ModuleType) -> None:
     module._validate_accelerator(acc)  # DeepSpeed's own conformance check, as set_accelerator does
     if current is not None and current is not acc:
         log.info("portspeed: DeepSpeed had already chosen %s; replacing it with %r", type(current).__qualname__, acc)
+    import portspeed
     from portspeed.patches.deepspeed import accelerator_patch
 
     # register() on an active manager installs at once; on a reverted one it only records
@@ -103,6 +109,11 @@ def _on_real_accelerator(module: types.ModuleType) -> None:
 def activate() -> None:
     """Register and apply the DeepSpeed patch set and the accelerator hook (idempotent)."""
     global _hooked
+    import wrapt
+
+    import portspeed
+
+    activation.cancel(__name__)
     mgr = portspeed.manager()
     mgr.register(deepspeed_patches())
     mgr.apply()
@@ -114,7 +125,16 @@ def activate() -> None:
 
 def deactivate() -> None:
     """Revert every patch of the process-wide manager (tests); ``activate`` re-applies."""
+    import portspeed
+
+    activation.cancel(__name__)
     portspeed.manager().revert()
 
 
-activate()
+def _is_deepspeed_module(name: str) -> bool:
+    return name == "deepspeed" or name.startswith("deepspeed.")
+
+
+# A bad PORTSPEED_* value fails here, at the import, not at DeepSpeed's.
+config.settings()
+activation.defer(__name__, _is_deepspeed_module, ("deepspeed",), activate)

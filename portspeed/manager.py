@@ -49,8 +49,6 @@ import types
 import warnings
 from typing import Any, Iterable, Iterator
 
-import wrapt
-
 from . import config
 from .errors import PatchConflictError, PatchDefinitionError, PatchStrictError
 from .patch import REPLACE, Patch
@@ -459,6 +457,8 @@ class PatchManager:
                     self._rollback(pending, before, exc.records, new_targets)
                     raise self._strict_error(exc.records) from None
 
+        import wrapt  # imported when first needed: an adaptor's import loads nothing it does not use yet
+
         wrapt.register_post_import_hook(on_import, module_name)
 
     def _resolve_records(self, module: types.ModuleType, records: list[PatchRecord],
@@ -527,6 +527,8 @@ class PatchManager:
                     base = functools.wraps(inner)(base)
                 chain.append(f"wrapper {p.name} (order {p.order}, plain function)")
             else:
+                import wrapt
+
                 base = wrapt.FunctionWrapper(base, p.impl)
                 chain.append(f"wrapper {p.name} (order {p.order})")
         return base, tuple(chain)

@@ -1,14 +1,20 @@
 """Import this (before or after Megatron: order does not matter) to run Megatron on the active adapter.
 
-Importing it
+Importing it validates the PORTSPEED_* environment and arranges for ``activate()`` to run
+when the first framework module (``megatron``, or a prefix in PORTSPEED_FRAMEWORK_MODULES)
+is imported, before that module's code runs; at once when Megatron is already imported
+(``portspeed.activation``). ``activate()``
 - scopes the torch / torch.cuda translation onto Megatron's modules
   (``portspeed.translation.enable``; nothing is translated on a CUDA adapter);
 - registers the torch_cuda patches, every Megatron patch (``portspeed.patches.megatron``)
-  and, when the collective router is installed, ``portspeed.patches.torch_distributed``,
-  into ``portspeed.manager()`` and applies them (lazily: a patch whose module is not
-  imported yet waits for its import).
+  and the collective router (``portspeed.patches.torch_distributed``) into
+  ``portspeed.manager()`` and applies them (lazily: a patch whose module is not imported
+  yet waits for its import).
 
-It never imports Megatron itself. ``portspeed.report()`` lists what was applied.
+It never imports Megatron itself. ``portspeed.report()`` lists what was applied (and sets
+up first if Megatron was not imported yet). A program that calls ``torch.distributed``
+with a backend the device lacks (``init_process_group("nccl")`` on CPU) *before* importing
+Megatron calls ``portspeed.megatron_adaptor.activate()`` first.
 
 Also here: ``open_loss_log``, a writer of the JSON loss record (``PORTSPEED_LOSS_LOG`` or an
 explicit path; format owned by ``portspeed.losslog``) that the compare tool reads::
@@ -20,13 +26,12 @@ explicit path; format owned by ``portspeed.losslog``) that the compare tool read
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import portspeed
-from portspeed import config, translation
-from portspeed.accelerator import get_accelerator
-from portspeed.patch import Patch
-from portspeed.versions import distribution_version
+from portspeed import activation, config, framework_modules
+
+if TYPE_CHECKING:
+    from portspeed.patch import Patch
 
 __all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "note_fallback", "open_loss_log"]
 
@@ -40,6 +45,8 @@ def note_fallback(feature: str, reason: str) -> None:
     if feature in _fallbacks_noted:
         return
     _fallbacks_noted.add(feature)
+    from portspeed.accelerator import get_accelerator
+
     log.warning("portspeed: %s has no %s kernel; using the torch path (%s)",
                 feature, get_accelerator().name, reason)
 
@@ -82,6 +89,10 @@ def _ensure_log_output() -> None:
 
 def activate() -> None:
     """Enable the scoped translation and register + apply the patch set (idempotent)."""
+    import portspeed
+    from portspeed import translation
+
+    activation.cancel(__name__)
     _ensure_log_output()
     translation.enable()
     from portspeed.patches.megatron import training_imports
@@ -94,6 +105,10 @@ def activate() -> None:
 
 def deactivate() -> None:
     """Revert what ``activate`` did (tests)."""
+    import portspeed
+    from portspeed import translation
+
+    activation.cancel(__name__)
     portspeed.manager().revert()
     translation.disable()
     from portspeed.patches.megatron import training_imports
@@ -103,6 +118,9 @@ def deactivate() -> None:
 
 def loss_record_meta(layout: dict[str, Any], dtype: str, backend: str | None = None) -> dict[str, Any]:
     """The ``meta`` block of a loss record for this process (adapter, backend, versions)."""
+    from portspeed.accelerator import get_accelerator
+    from portspeed.versions import distribution_version
+
     acc = get_accelerator()
     versions = {}
     for d in ("torch", "megatron-core", "portspeed"):
@@ -127,4 +145,6 @@ def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend:
     return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend))
 
 
-activate()
+# A bad PORTSPEED_* value (or PORTSPEED_FRAMEWORK_MODULES) fails here, at the import, not at Megatron's.
+config.settings()
+activation.defer(__name__, framework_modules.is_framework_module, framework_modules.framework_prefixes(), activate)

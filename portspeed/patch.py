@@ -34,11 +34,11 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
 from .errors import PatchDefinitionError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from packaging.specifiers import SpecifierSet
+
     from .accelerator import Accelerator
 
 __all__ = ["Patch", "PatchKind", "REPLACE", "WRAP", "WrapStyle"]
@@ -115,6 +115,8 @@ class Patch:
         if self.versions:
             if not self.distribution:
                 raise PatchDefinitionError(f"patch {self.name!r}: a version range needs a distribution name")
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet  # when a patch is declared, not at import
+
             try:
                 SpecifierSet(self.versions)
             except InvalidSpecifier as exc:
@@ -135,4 +137,6 @@ class Patch:
     @property
     def specifier(self) -> SpecifierSet:
         """The version range as a SpecifierSet (pre-releases admitted: dev builds of Megatron are common)."""
+        from packaging.specifiers import SpecifierSet
+
         return SpecifierSet(self.versions, prereleases=True)

@@ -39,8 +39,6 @@ import functools
 import importlib.abc
 import importlib.machinery
 import logging
-import os
-import re
 import sys
 import threading
 import types
@@ -51,6 +49,9 @@ import torch
 from .accelerator import get_accelerator
 from .cuda_view import CudaView, _autocast
 from .errors import ConfigError
+from . import framework_modules
+from .framework_modules import (DEFAULT_PREFIXES, FRAMEWORK_ENV, framework_prefixes, is_framework_module,
+                                valid_prefix)
 
 __all__ = [
     "CudaView",
@@ -73,10 +74,7 @@ __all__ = [
 
 log = logging.getLogger("portspeed.translation")
 
-#: Environment variable naming extra framework module prefixes (comma-separated).
-FRAMEWORK_ENV = "PORTSPEED_FRAMEWORK_MODULES"
-_DEFAULT_PREFIXES = ("megatron",)
-_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_DEFAULT_PREFIXES = DEFAULT_PREFIXES
 
 _REAL_TORCH = torch
 _REAL_CUDA = torch.cuda
@@ -193,44 +191,24 @@ def torch_view() -> TorchView:
 
 
 # ---------------------------------------------------------------------- scoping
-_extra_prefixes: list[str] = []
 _lock = threading.RLock()
 _enabled = False
 _finder: "_ScopeFinder | None" = None
 _scoped_modules: dict[str, tuple[types.ModuleType, Any, dict[str, Any]]] = {}
 
 
-def _env_prefixes() -> tuple[str, ...]:
-    raw = os.environ.get(FRAMEWORK_ENV, "").strip()
-    if not raw:
-        return ()
-    names = tuple(n.strip() for n in raw.split(",") if n.strip())
-    bad = [n for n in names if not _PREFIX_RE.match(n)]
-    if bad:
-        raise ConfigError(
-            f"{FRAMEWORK_ENV} has invalid module names {bad}; give comma-separated importable module "
-            "prefixes such as 'megatron,my_project.models'"
-        )
-    return names
-
-
-def framework_prefixes() -> tuple[str, ...]:
-    """Module-name prefixes that see the translated torch (defaults, env var, API additions)."""
-    return tuple(dict.fromkeys(_DEFAULT_PREFIXES + _env_prefixes() + tuple(_extra_prefixes)))
-
-
 def add_framework_prefixes(*prefixes: str) -> None:
     """Name more framework packages (e.g. ``"deepspeed"``); applies to modules already imported if enabled."""
     for p in prefixes:
-        if not isinstance(p, str) or not _PREFIX_RE.match(p) or p == "torch" or p.startswith("torch."):
+        if not valid_prefix(p):
             raise ConfigError(
                 f"framework prefix {p!r} is not an importable module name other than torch; "
                 "give a package name such as 'deepspeed'"
             )
     with _lock:
         for p in prefixes:
-            if p not in _extra_prefixes:
-                _extra_prefixes.append(p)
+            if p not in framework_modules.extra_prefixes:
+                framework_modules.extra_prefixes.append(p)
         if _enabled:
             _scope_loaded()
 
@@ -245,16 +223,6 @@ def reload_prefixes() -> tuple[str, ...]:
     prefixes = framework_prefixes()
     _hot_dotted, _hot_exact = tuple(p + "." for p in prefixes), prefixes
     return prefixes
-
-
-def is_framework_module(name: str | None) -> bool:
-    """Whether module ``name`` is a framework module (gets the view); reads the prefixes afresh."""
-    if not name:
-        return False
-    for p in framework_prefixes():
-        if name == p or name.startswith(p + "."):
-            return True
-    return False
 
 
 def caller_is_framework(depth: int = 2) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata as _metadata
+from typing import TYPE_CHECKING
 
-from packaging.version import InvalidVersion, Version
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 __all__ = ["distribution_version", "clear_cache"]
 
@@ -18,6 +20,8 @@ __all__ = ["distribution_version", "clear_cache"]
 @functools.lru_cache(maxsize=None)
 def distribution_version(name: str) -> Version | None:
     """The installed version of distribution ``name``, or None when it is not installed."""
+    from packaging.version import InvalidVersion, Version
+
     try:
         raw = _metadata.version(name)
     except _metadata.PackageNotFoundError:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import portspeed
-from portspeed import translation
+from portspeed import framework_modules, translation
 from portspeed.accelerator import get_accelerator, reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator, NullEvent, NullStream
 from portspeed.errors import ConfigError, UnsupportedCudaCallError
@@ -74,7 +74,7 @@ def scoped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_adapter):
     (tmp_path / f"{PLAIN}.py").write_text(MODULE_SRC)
     monkeypatch.syspath_prepend(str(tmp_path))
     was = translation.enabled()
-    monkeypatch.setattr(translation, "_extra_prefixes", list(translation._extra_prefixes) + [FW])
+    monkeypatch.setattr(framework_modules, "extra_prefixes", [*framework_modules.extra_prefixes, FW])
     translation.enable()
     yield
     translation.disable()
@@ -204,7 +204,7 @@ def test_already_imported_framework_module_is_rebound_and_restored(tmp_path, mon
     try:
         early = importlib.import_module(f"{FW}.early")
         assert early.torch is torch
-        monkeypatch.setattr(translation, "_extra_prefixes", list(translation._extra_prefixes) + [FW])
+        monkeypatch.setattr(framework_modules, "extra_prefixes", [*framework_modules.extra_prefixes, FW])
         translation.enable()
         assert early.torch is translation.torch_view()
         assert early.current_device == translation.cuda_view().current_device
@@ -313,6 +313,7 @@ def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
     code = textwrap.dedent('''
         import portspeed.megatron_adaptor
         import torch
+        import megatron.core.jit  # a framework module (its import sets the adaptor up): its globals see the view
         from portspeed import translation
         assert translation.enabled()
         assert torch.cuda.is_available() is False and torch.cuda.device_count() == 0
@@ -321,7 +322,6 @@ def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
             return torch.sin(x) * 2 + 1
         x = torch.arange(8, dtype=torch.float32)
         assert torch.allclose(f(x), torch.sin(x) * 2 + 1)
-        import megatron.core.jit  # a framework module: its globals see the view
         assert megatron.core.jit.torch is translation.torch_view()
         # a framework function compiled by Megatron's jit_fuser (torch.compile): dynamo traces through the view
         from megatron.core.fusions.fused_bias_gelu import bias_gelu

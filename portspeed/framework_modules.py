@@ -1,0 +1,66 @@
+"""Which modules are *framework modules*: the ones that see the translated torch.
+
+Kept apart from ``portspeed.translation`` (which imports torch and the views) because the
+adaptors need the answer at their own import, before anything heavy is loaded: their
+deferred activation (``portspeed.activation``) fires on the first import of a framework
+module.
+
+The prefixes are ``megatron``, the comma-separated names in ``PORTSPEED_FRAMEWORK_MODULES``
+(validated: a typo raises ConfigError naming the variable), and those added with
+``portspeed.translation.add_framework_prefixes``. A module is a framework module when its
+name equals a prefix or starts with a prefix and a dot; torch itself never is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .errors import ConfigError
+
+__all__ = ["FRAMEWORK_ENV", "DEFAULT_PREFIXES", "env_prefixes", "framework_prefixes", "is_framework_module",
+           "valid_prefix"]
+
+#: Environment variable naming extra framework module prefixes (comma-separated).
+FRAMEWORK_ENV = "PORTSPEED_FRAMEWORK_MODULES"
+DEFAULT_PREFIXES: tuple[str, ...] = ("megatron",)
+_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+#: Prefixes added at run time (``translation.add_framework_prefixes``), in order.
+extra_prefixes: list[str] = []
+
+
+def valid_prefix(prefix: object) -> bool:
+    """An importable dotted module name other than torch (or a torch submodule)."""
+    return (isinstance(prefix, str) and bool(_PREFIX_RE.match(prefix))
+            and prefix != "torch" and not prefix.startswith("torch."))
+
+
+def env_prefixes() -> tuple[str, ...]:
+    """The prefixes named in PORTSPEED_FRAMEWORK_MODULES; ConfigError names the bad ones."""
+    raw = os.environ.get(FRAMEWORK_ENV, "").strip()
+    if not raw:
+        return ()
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    bad = [n for n in names if not _PREFIX_RE.match(n)]
+    if bad:
+        raise ConfigError(
+            f"{FRAMEWORK_ENV} has invalid module names {bad}; give comma-separated importable module "
+            "prefixes such as 'megatron,my_project.models'"
+        )
+    return names
+
+
+def framework_prefixes() -> tuple[str, ...]:
+    """Module-name prefixes that see the translated torch (defaults, env var, run-time additions)."""
+    return tuple(dict.fromkeys(DEFAULT_PREFIXES + env_prefixes() + tuple(extra_prefixes)))
+
+
+def is_framework_module(name: str | None) -> bool:
+    """Whether module ``name`` is a framework module; reads the prefixes afresh."""
+    if not name:
+        return False
+    for p in framework_prefixes():
+        if name == p or name.startswith(p + "."):
+            return True
+    return False
