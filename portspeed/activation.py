@@ -9,12 +9,13 @@ the framework is there. So an adaptor's import registers a trigger, and the set-
 if it had run at the adaptor's import.
 
 Contract
-- ``defer(name, matches, prefixes, activate)``: when a module in ``prefixes`` (a module
-  named by a prefix is imported before any module under it) is already imported, run
-  ``activate`` now; otherwise put a finder first on ``sys.meta_path`` that, on the first
-  import of a module for which ``matches(name)`` is true, removes itself, runs ``activate``
-  and then finds that module with the finders on ``sys.meta_path`` at that moment (so a
-  finder ``activate`` installed, like the translation's, takes part).
+- ``defer(name, prefixes, activate)``: ``prefixes()`` gives the framework's module-name
+  prefixes (read at each import, so prefixes added later count). When a module named by a
+  prefix is already imported (it is imported before any module under it), run ``activate``
+  now; otherwise put a finder first on ``sys.meta_path`` that, on the first import of a
+  module equal to or under a prefix, removes itself, runs ``activate`` and then finds that
+  module with the finders on ``sys.meta_path`` at that moment (so a finder ``activate``
+  installed, like the translation's, takes part).
 - A trigger fires once; a framework import in another thread meanwhile waits until the
   set-up is done. An exception from ``activate`` propagates from the ``import``
   statement that fired it; the adaptor's ``activate()`` can be called again to retry.
@@ -40,9 +41,9 @@ _triggers: dict[str, "_FirstImportTrigger"] = {}
 class _FirstImportTrigger(importlib.abc.MetaPathFinder):
     """First on sys.meta_path until the first framework import; then runs the set-up and steps aside."""
 
-    def __init__(self, name: str, matches: Callable[[str], bool], activate: Callable[[], Any]) -> None:
+    def __init__(self, name: str, prefixes: Callable[[], tuple[str, ...]], activate: Callable[[], Any]) -> None:
         self.name = name
-        self._matches = matches
+        self._prefixes = prefixes
         self._activate = activate
         self._done = threading.Event()
         self._runner: int | None = None
@@ -70,7 +71,7 @@ class _FirstImportTrigger(importlib.abc.MetaPathFinder):
             self._done.set()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if not self._matches(fullname):
+        if not _under(fullname, self._prefixes()):
             return None
         self.fire()
         for finder in list(sys.meta_path):
@@ -85,18 +86,24 @@ class _FirstImportTrigger(importlib.abc.MetaPathFinder):
         return None
 
 
-def defer(name: str, matches: Callable[[str], bool], prefixes: tuple[str, ...],
-          activate: Callable[[], Any]) -> bool:
-    """Run ``activate`` now if a module in ``prefixes`` is imported, else at the first import ``matches``.
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    for p in prefixes:
+        if module == p or module.startswith(p + "."):
+            return True
+    return False
+
+
+def defer(name: str, prefixes: Callable[[], tuple[str, ...]], activate: Callable[[], Any]) -> bool:
+    """Run ``activate`` now if the framework is imported, else just before its first module is.
 
     Returns True when it ran now. ``name`` identifies the adaptor; deferring it again
     replaces its waiting trigger.
     """
-    if any(p in sys.modules for p in prefixes):
+    if any(p in sys.modules for p in prefixes()):
         cancel(name)
         activate()
         return True
-    trigger = _FirstImportTrigger(name, matches, activate)
+    trigger = _FirstImportTrigger(name, prefixes, activate)
     with _lock:
         cancel(name)
         _triggers[name] = trigger

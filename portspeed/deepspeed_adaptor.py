@@ -131,10 +131,10 @@ def deactivate() -> None:
     portspeed.manager().revert()
 
 
-def _is_deepspeed_module(name: str) -> bool:
-    return name == "deepspeed" or name.startswith("deepspeed.")
+def _deepspeed_prefixes() -> tuple[str, ...]:
+    return ("deepspeed",)
 
 
 # A bad PORTSPEED_* value fails here, at the import, not at DeepSpeed's.
 config.settings()
-activation.defer(__name__, _is_deepspeed_module, ("deepspeed",), activate)
+activation.defer(__name__, _deepspeed_prefixes, activate)

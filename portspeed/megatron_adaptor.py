@@ -145,6 +145,7 @@ def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend:
     return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend))
 
 
-# A bad PORTSPEED_* value (or PORTSPEED_FRAMEWORK_MODULES) fails here, at the import, not at Megatron's.
+# A bad PORTSPEED_* value fails here, at the import, not at Megatron's (and a bad
+# PORTSPEED_FRAMEWORK_MODULES too: defer() reads the prefixes at once).
 config.settings()
-activation.defer(__name__, framework_modules.is_framework_module, framework_modules.framework_prefixes(), activate)
+activation.defer(__name__, framework_modules.framework_prefixes, activate)
