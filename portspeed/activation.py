@@ -17,8 +17,9 @@ Contract
   module with the finders on ``sys.meta_path`` at that moment (so a finder ``activate``
   installed, like the translation's, takes part).
 - A trigger fires once; a framework import in another thread meanwhile waits until the
-  set-up is done. An exception from ``activate`` propagates from the ``import``
-  statement that fired it; the adaptor's ``activate()`` can be called again to retry.
+  set-up is done (the interpreter's import lock is held while finders run). An exception
+  from ``activate`` propagates from the ``import`` statement that fired it; the adaptor's
+  ``activate()`` can be called again to retry.
 - ``activate_waiting()`` runs every trigger that has not fired (``portspeed.report()``
   calls it, so a report shows what the framework's import would do); ``waiting()`` names
   the adaptors still waiting.
@@ -45,30 +46,26 @@ class _FirstImportTrigger(importlib.abc.MetaPathFinder):
         self.name = name
         self._prefixes = prefixes
         self._activate = activate
-        self._done = threading.Event()
-        self._runner: int | None = None
+        self._fired = False
 
     def __repr__(self) -> str:
         return f"<portspeed activation trigger for {self.name}>"
 
     def fire(self) -> None:
-        """Remove the trigger and run the set-up, once; another thread's framework import waits for it."""
+        """Remove the trigger and run the set-up, once.
+
+        A framework import in another thread meanwhile waits for it: CPython calls each
+        finder's ``find_spec`` under its global import lock.
+        """
         with _lock:
-            first = self._runner is None
-            if first:
-                self._runner = threading.get_ident()
-                if _triggers.get(self.name) is self:
-                    del _triggers[self.name]
-                if self in sys.meta_path:
-                    sys.meta_path.remove(self)
-        if not first:
-            if self._runner != threading.get_ident():
-                self._done.wait()
-            return
-        try:
-            self._activate()
-        finally:
-            self._done.set()
+            if self._fired:
+                return
+            self._fired = True
+            if _triggers.get(self.name) is self:
+                del _triggers[self.name]
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+        self._activate()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         if not _under(fullname, self._prefixes()):

@@ -217,3 +217,58 @@ def test_deepspeed_adaptor_waits_for_deepspeed(tmp_path: Path) -> None:
     ''', tmp_path))
     assert got["before"] == ["portspeed.deepspeed_adaptor", "portspeed.megatron_adaptor"]
     assert got["after"] == ["portspeed.deepspeed_adaptor"]
+
+
+def test_a_framework_import_in_another_thread_waits_for_the_set_up(tmp_path: Path, monkeypatch) -> None:
+    """Thread 1's import runs a slow set-up; thread 2's import of another framework module waits for it.
+
+    (CPython runs finders under its import lock; this checks the behaviour, whatever provides it.)
+    """
+    import sys
+    import threading
+
+    from portspeed import activation
+
+    for name in ("slowfw_one", "slowfw_two"):
+        (tmp_path / f"{name}.py").write_text("from portspeed_test_state import STATE\nSEEN = dict(STATE)\n")
+    (tmp_path / "portspeed_test_state.py").write_text("STATE = {'ready': False}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import portspeed_test_state
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_set_up() -> None:
+        started.set()
+        assert release.wait(30)
+        portspeed_test_state.STATE["ready"] = True
+
+    activation.defer("tests.slow_adaptor", lambda: ("slowfw_one", "slowfw_two"), slow_set_up)
+    errors: list[BaseException] = []
+
+    def imp(name: str) -> None:
+        try:
+            __import__(name)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    first = threading.Thread(target=imp, args=("slowfw_one",))
+    second = threading.Thread(target=imp, args=("slowfw_two",))
+    try:
+        first.start()
+        assert started.wait(30)
+        second.start()
+        second.join(0.5)
+        assert second.is_alive(), "the second import went ahead while the set-up was still running"
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert not errors, errors
+        assert sys.modules["slowfw_one"].SEEN == {"ready": True}
+        assert sys.modules["slowfw_two"].SEEN == {"ready": True}
+        assert "tests.slow_adaptor" not in activation.waiting()
+        assert not [f for f in sys.meta_path if "tests.slow_adaptor" in repr(f)]
+    finally:
+        release.set()
+        activation.cancel("tests.slow_adaptor")
+        for name in ("slowfw_one", "slowfw_two", "portspeed_test_state"):
+            sys.modules.pop(name, None)
