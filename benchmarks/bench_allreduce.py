@@ -10,6 +10,7 @@ the ratio over five consecutive segments shows its spread. A blocked A/B (20 alt
 blocks per arm, ratio of the medians of block means) is printed too. Also printed: the
 router's own decision cost per call, measured without any collective.
 
+``--pin`` gives each rank one core of its own (rank modulo the cores it may use).
 ``--diagnose`` adds arms that put a do-nothing layer in front of the raw call (a plain
 function, a wrapt FunctionWrapper, 3 µs of busy work): what any layer costs on this
 ping-pong, as a yardstick for the routed arm.
@@ -45,6 +46,9 @@ def _worker(args: argparse.Namespace) -> None:
     routed = dist.all_reduce
     assert routed is not raw, "the router patch did not install"
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.pin:  # before the group exists, so Gloo's threads inherit the core
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
     dist.init_process_group("nccl", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=120),
                             init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     t = torch.ones(args.bytes // 4, dtype=torch.float32)
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bytes", type=int, default=4096, help="message size in bytes, float32 (default 4096)")
     p.add_argument("--calls", type=int, default=10000, help="timed calls per arm, interleaved (default 10000)")
     p.add_argument("--diagnose", action="store_true",
-                   help="add arms: a wrapt pass-through wrapper, and the router's screen without wrapt")
+                   help="add arms that put a do-nothing layer before the raw call (plain function, wrapt, 3 us spin)")
+    p.add_argument("--pin", action="store_true", help="pin each rank (and its Gloo threads) to one core of its own")
     p.add_argument("--warmup", type=int, default=200, help="warm-up calls per arm (default 200)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")
     args = p.parse_args(argv)
