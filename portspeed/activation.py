@@ -24,7 +24,7 @@ Contract
   calls it, so a report shows what the framework's import would do); ``waiting()`` names
   the adaptors still waiting.
 - Until it fires, a trigger costs a read of the prefixes and a prefix test per module import
-  (a few microseconds).
+  (about 1 µs).
 """
 
 from __future__ import annotations
