@@ -34,6 +34,8 @@ import sys
 import threading
 from typing import Any, Callable
 
+from .framework_modules import is_under
+
 __all__ = ["defer", "activate_waiting", "waiting", "cancel"]
 
 _lock = threading.RLock()
@@ -69,7 +71,7 @@ class _FirstImportTrigger(importlib.abc.MetaPathFinder):
         self._activate()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if not _under(fullname, self._prefixes()):
+        if not is_under(fullname, self._prefixes()):
             return None
         self.fire()
         for finder in list(sys.meta_path):
@@ -82,13 +84,6 @@ class _FirstImportTrigger(importlib.abc.MetaPathFinder):
             if spec is not None:
                 return spec
         return None
-
-
-def _under(module: str, prefixes: tuple[str, ...]) -> bool:
-    for p in prefixes:
-        if module == p or module.startswith(p + "."):
-            return True
-    return False
 
 
 def defer(name: str, prefixes: Callable[[], tuple[str, ...]], activate: Callable[[], Any]) -> bool:

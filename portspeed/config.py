@@ -23,7 +23,7 @@ from typing import Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Settings", "settings", "reload", "parse_bool"]
+__all__ = ["Settings", "settings", "reload", "parse_bool", "parse_names"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -42,6 +42,15 @@ def parse_bool(var: str, value: str) -> bool:
     raise ConfigError(
         f"{var}={value!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
     )
+
+
+def parse_names(var: str, value: str, pattern: re.Pattern[str], kind: str, hint: str) -> tuple[str, ...]:
+    """Split a comma-separated list of names, or raise naming the variable, the bad names and ``hint``."""
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    bad = [n for n in names if not pattern.match(n)]
+    if bad:
+        raise ConfigError(f"{var} has invalid {kind} {bad}; {hint}")
+    return names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +89,9 @@ class Settings:
             kw["strict"] = parse_bool("PORTSPEED_STRICT", env["PORTSPEED_STRICT"])
         disable = env.get("PORTSPEED_DISABLE", "").strip()
         if disable:
-            names = tuple(n.strip() for n in disable.split(",") if n.strip())
-            bad = [n for n in names if not _PATCH_NAME.match(n)]
-            if bad:
-                raise ConfigError(
-                    f"PORTSPEED_DISABLE has invalid patch names {bad}; give comma-separated names "
-                    "as listed by `portspeed patches` (a trailing '*' matches a prefix)"
-                )
-            kw["disable"] = names
+            kw["disable"] = parse_names(
+                "PORTSPEED_DISABLE", disable, _PATCH_NAME, "patch names",
+                "give comma-separated names as listed by `portspeed patches` (a trailing '*' matches a prefix)")
         level = env.get("PORTSPEED_LOG_LEVEL", "").strip()
         if level:
             if level.upper() not in _LEVELS:

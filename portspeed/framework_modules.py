@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import ConfigError
+from .config import parse_names
 
 __all__ = ["FRAMEWORK_ENV", "DEFAULT_PREFIXES", "env_prefixes", "framework_prefixes", "is_framework_module",
-           "valid_prefix"]
+           "is_under", "valid_prefix"]
 
 #: Environment variable naming extra framework module prefixes (comma-separated).
 FRAMEWORK_ENV = "PORTSPEED_FRAMEWORK_MODULES"
@@ -41,14 +41,8 @@ def env_prefixes() -> tuple[str, ...]:
     raw = os.environ.get(FRAMEWORK_ENV, "").strip()
     if not raw:
         return ()
-    names = tuple(n.strip() for n in raw.split(",") if n.strip())
-    bad = [n for n in names if not _PREFIX_RE.match(n)]
-    if bad:
-        raise ConfigError(
-            f"{FRAMEWORK_ENV} has invalid module names {bad}; give comma-separated importable module "
-            "prefixes such as 'megatron,my_project.models'"
-        )
-    return names
+    return parse_names(FRAMEWORK_ENV, raw, _PREFIX_RE, "module names",
+                       "give comma-separated importable module prefixes such as 'megatron,my_project.models'")
 
 
 def framework_prefixes() -> tuple[str, ...]:
@@ -56,11 +50,14 @@ def framework_prefixes() -> tuple[str, ...]:
     return tuple(dict.fromkeys(DEFAULT_PREFIXES + env_prefixes() + tuple(extra_prefixes)))
 
 
-def is_framework_module(name: str | None) -> bool:
-    """Whether module ``name`` is a framework module; reads the prefixes afresh."""
-    if not name:
-        return False
-    for p in framework_prefixes():
+def is_under(name: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether module ``name`` equals one of ``prefixes`` or lies under one (``a.b`` is under ``a``)."""
+    for p in prefixes:
         if name == p or name.startswith(p + "."):
             return True
     return False
+
+
+def is_framework_module(name: str | None) -> bool:
+    """Whether module ``name`` is a framework module; reads the prefixes afresh."""
+    return bool(name) and is_under(name, framework_prefixes())

@@ -27,6 +27,7 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'portspeed[megatron]')")
 
+from helpers.gpt_example import MODEL, SCRIPT  # noqa: E402
 from helpers.launch import parse_losses, run_python, torchrun  # noqa: E402
 
 from portspeed.losslog import read_record  # noqa: E402
@@ -34,10 +35,6 @@ from portspeed.parity import Tolerance, compare  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.megatron]
 
-SCRIPT = "examples/pretrain_gpt.py"
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--vocab-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3",
-         "--seed", "1234"]
 ITERS = 6
 PLANT = 3  # first iteration whose backward is scaled
 PLANT_LAYER_MODULE = "decoder.layers.1.mlp.linear_fc2"
