@@ -13,7 +13,8 @@ router's own decision cost per call, measured without any collective.
 ``--pin`` gives each rank one core of its own (rank modulo the cores it may use).
 ``--diagnose`` adds arms that put a do-nothing layer in front of the raw call (a plain
 function, a wrapt FunctionWrapper, 3 µs of busy work): what any layer costs on this
-ping-pong, as a yardstick for the routed arm.
+ping-pong, as a yardstick for the routed arm; and torch's function without its
+exception-logging layer, which the routed hot path calls in that layer's place.
 
     /work/venv/bin/python benchmarks/bench_allreduce.py --world 2 --bytes 4096
 """
@@ -70,6 +71,7 @@ def _worker(args: argparse.Namespace) -> None:
         arms["plain_passthrough"] = lambda *a, **k: raw(*a, **k)
         arms["wrapt_passthrough"] = wrapt.FunctionWrapper(raw, lambda w, i, a, k: w(*a, **k))
         arms["spin_3us_then_raw"] = spin3
+        arms["torch_without_logging_layer"] = getattr(raw, "__wrapped__", raw)  # what the routed hot path calls
     names = list(arms)
     times: dict[str, list[float]] = {k: [] for k in names}
     clock = time.perf_counter

@@ -650,6 +650,45 @@ def all_to_all(wrapped: Callable, output_tensor_list: list, input_tensor_list: l
     return _run_rewrite("all_to_all", gap, group, async_op, body)
 
 
+#: every name torch's exception-logging wrapper uses (torch 2.6 to 2.13): it only logs on an
+#: exception. A decorator that uses any other name may do more on success and is not bypassed.
+_LOGGING_LAYER_NAMES = frozenset({"Exception", "_get_msg_dict", "__name__", "_c10d_logger", "debug"})
+
+
+def _torch_logging_layer(original: Callable) -> tuple[Callable, Callable | None]:
+    """``(undecorated, decorator)`` when ``original`` is torch's c10d exception-logging wrapper.
+
+    torch wraps each collective in ``c10d_logger._exception_logger``, a layer that only
+    logs a debug record when the call raises. The routed function takes that layer's place
+    instead of stacking a frame on it: on the hot path it calls the undecorated function,
+    and when that raises it hands the error to torch's own decorator, so the record is
+    logged as before and the same error propagates. Recognised by code identity (every
+    wrapper that decorator makes shares one code object); anything else, a newer torch's
+    decorator or another library's wrapper, is called as it is: ``(original, None)``.
+    """
+    try:
+        from torch.distributed.c10d_logger import _exception_logger as decorator
+    except ImportError:
+        return original, None
+    code = getattr(original, "__code__", None)
+    if (code is None or code is not decorator(_nothing).__code__ or code.co_freevars != ("func",)
+            or not set(code.co_names) <= _LOGGING_LAYER_NAMES):
+        return original, None
+    inner = original.__closure__[0].cell_contents
+    return (inner, decorator) if callable(inner) else (original, None)
+
+
+def _raise_through(decorator: Callable, inner: Callable, error: Exception, args: tuple, kwargs: dict) -> None:
+    """Let torch's logging decorator see ``error`` as if it had made the call: it logs, then re-raises."""
+
+    def failed(*_a: Any, **_k: Any) -> Any:
+        raise error
+
+    failed.__name__, failed.__qualname__ = inner.__name__, inner.__qualname__
+    decorator(failed)(*args, **kwargs)
+    raise error  # the decorator always re-raises; this is only reached if a future one swallows it
+
+
 def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: int | None,
            group_at: int) -> Callable[[Callable], Callable]:
     """A factory ``make(original) -> routed`` for a ``style="function"`` wrap patch of a collective.
@@ -659,6 +698,9 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
     it touches before the call shows in the latency (docs/benchmarks.md). The hot path:
     when the group's table is cached and lists no gap for this op and dtype, ``original``
     gets the caller's own arguments, untouched; otherwise ``fn`` (the rewrite) decides.
+    When ``original`` is torch's exception-logging wrapper, the hot path calls the function
+    under it and hands errors back to it (``_torch_logging_layer``): the same behaviour,
+    one Python frame fewer, so the call has as many frames as without portspeed.
     ``tensor_at``/``op_at``/``group_at`` are the positions (and the tensor's keyword) of
     the arguments in torch's signature.
     """
@@ -666,20 +708,29 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
     caps_get, canonical = _CAPS.get, _CANONICAL_OP_IDS  # _CAPS is only ever mutated, never rebound
 
     def make(original: Callable) -> Callable:
+        call, logging_layer = _torch_logging_layer(original)
+
         @functools.wraps(original)
         def routed(*args: Any, **kwargs: Any) -> Any:
             n = len(args)
             caps = caps_get(args[group_at] if n > group_at else kwargs.get("group"))
             if caps is not None and type(caps) is not dict:
                 quick = caps._quick.get(name)
-                if quick is None:
-                    return original(*args, **kwargs)
-                if tensor_at is not None and not quick[1]:
+                straight = quick is None
+                if not straight and tensor_at is not None and not quick[1]:
                     op = (args[op_at] if n > op_at else kwargs.get("op", _SUM)) if op_at is not None else None
-                    tensor = args[t_pos] if n > t_pos else kwargs.get(t_kw)
                     oid = id(op)  # ReduceOp objects (PREMUL_SUM, ReduceOp(x)) are not canonical: slow path
-                    if oid in canonical and oid not in quick[0] and getattr(tensor, "dtype", None) not in quick[2]:
-                        return original(*args, **kwargs)
+                    if oid in canonical and oid not in quick[0]:
+                        dtypes = quick[2]  # empty when no gap names a dtype: the tensor is not looked at
+                        straight = not dtypes or getattr(
+                            args[t_pos] if n > t_pos else kwargs.get(t_kw), "dtype", None) not in dtypes
+                if straight:
+                    try:
+                        return call(*args, **kwargs)
+                    except Exception as error:
+                        if logging_layer is None:
+                            raise
+                        _raise_through(logging_layer, call, error, args, kwargs)
             return fn(original, *args, **kwargs)
 
         routed.__doc__ = f"Route torch.distributed.{name} through portspeed.router.{fn.__name__}.\n\n" + (

@@ -7,6 +7,7 @@ Multi-rank values are checked in test_collective_conformance.py; here a world of
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Iterator
 
 import pytest
@@ -288,3 +289,58 @@ def test_unknown_portspeed_backend_fails_at_selection_listing_known_ones(monkeyp
         monkeypatch.delenv("PORTSPEED_ACCELERATOR")
         config.reload()
         reset_accelerator()
+
+
+# ---------------------------------------------------------------------- torch's logging layer
+def _c10d_debug_records(call) -> tuple[list, BaseException]:
+    """The debug records torch's c10d logger emits while ``call()`` runs (it must raise)."""
+    from torch.distributed.c10d_logger import _c10d_logger
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    level, _c10d_logger.level = _c10d_logger.level, logging.DEBUG
+    _c10d_logger.addHandler(handler)
+    try:
+        with pytest.raises(Exception) as info:
+            call()
+    finally:
+        _c10d_logger.removeHandler(handler)
+        _c10d_logger.level = level
+    return [r.msg for r in records], info.value
+
+
+@pytest.mark.parametrize("fn", ["all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_to_all"])
+def test_routed_collectives_take_the_place_of_torchs_logging_layer(fn: str) -> None:
+    """On this torch the hot path calls the function under torch's exception logger, not a frame above it."""
+    original = getattr(c10d, fn)
+    call, layer = router._torch_logging_layer(original)
+    assert layer is not None, f"torch's logging layer of {fn} was not recognised: the hot path stacks a frame"
+    assert call is original.__wrapped__
+
+
+def test_other_wrappers_are_called_as_they_are() -> None:
+    """A wrapper that is not torch's exception logger is never bypassed."""
+    import functools
+
+    def mine(*args, **kwargs):
+        return c10d.all_reduce(*args, **kwargs)
+
+    assert router._torch_logging_layer(mine) == (mine, None)
+    timed = functools.wraps(c10d.all_reduce.__wrapped__)(lambda *a, **k: None)
+    assert router._torch_logging_layer(timed) == (timed, None)
+
+
+def test_a_failing_straight_call_logs_and_raises_as_torch_does(routed) -> None:
+    """Bypassing torch's logging layer loses nothing: the same error, the same c10d debug record."""
+    _init("nccl")
+    t = torch.ones(4)
+    dist.all_reduce(t)  # fills the router's cache: the next call takes the hot path
+    bad = [t]  # a list, not a tensor: torch's own argument check raises
+    raw = dist.all_reduce.__wrapped__  # torch's function, its logging layer included
+    want_records, want_error = _c10d_debug_records(lambda: raw(bad))
+    got_records, got_error = _c10d_debug_records(lambda: dist.all_reduce(bad))
+    assert want_records, "torch logged nothing for the raw call: this test no longer tests anything"
+    assert got_records == want_records
+    assert type(got_error) is type(want_error) and str(got_error) == str(want_error)
+    assert router.stats() == {}
