@@ -344,3 +344,23 @@ def test_a_failing_straight_call_logs_and_raises_as_torch_does(routed) -> None:
     assert got_records == want_records
     assert type(got_error) is type(want_error) and str(got_error) == str(want_error)
     assert router.stats() == {}
+
+
+def test_torch_compile_still_traces_a_routed_all_reduce(routed) -> None:
+    """Dynamo turns a routed all_reduce into torch's functional collective, in one graph, as without portspeed."""
+    _init("nccl")
+    dist.all_reduce(torch.ones(4))  # fills the cache: the traced call takes the hot path
+    targets: list[str] = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def step(x):
+        dist.all_reduce(x)
+        return x * 2
+
+    torch._dynamo.reset()
+    out = torch.compile(step, fullgraph=True, backend=backend)(torch.ones(4))
+    assert torch.equal(out, torch.full((4,), 2.0))
+    assert any("_c10d_functional.all_reduce" in t for t in targets), targets
