@@ -706,6 +706,7 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
     """
     t_pos, t_kw = tensor_at if tensor_at is not None else (-1, "")
     caps_get, canonical = _CAPS.get, _CANONICAL_OP_IDS  # _CAPS is only ever mutated, never rebound
+    compiling = torch.compiler.is_dynamo_compiling  # False when run; Dynamo reads it as True while tracing
 
     def make(original: Callable) -> Callable:
         call, logging_layer = _torch_logging_layer(original)
@@ -725,6 +726,8 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
                         straight = not dtypes or getattr(
                             args[t_pos] if n > t_pos else kwargs.get(t_kw), "dtype", None) not in dtypes
                 if straight:
+                    if compiling():  # torch.compile traces torch's function itself (it maps it to a functional collective)
+                        return original(*args, **kwargs)
                     try:
                         return call(*args, **kwargs)
                     except Exception as error:

@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed import distributed_c10d as c10d
 
 import portspeed
@@ -348,6 +349,9 @@ def test_a_failing_straight_call_logs_and_raises_as_torch_does(routed) -> None:
 
 def test_torch_compile_still_traces_a_routed_all_reduce(routed) -> None:
     """Dynamo turns a routed all_reduce into torch's functional collective, in one graph, as without portspeed."""
+    # Dynamo maps the collectives by identity, as they were when _functional_collectives was
+    # imported; this module imports it before any patch, as a framework that uses DTensor does.
+    assert dist.all_reduce.__wrapped__ in functional_collectives.traceable_collective_remaps
     _init("nccl")
     dist.all_reduce(torch.ones(4))  # fills the cache: the traced call takes the hot path
     targets: list[str] = []
