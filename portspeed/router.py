@@ -700,7 +700,9 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
     gets the caller's own arguments, untouched; otherwise ``fn`` (the rewrite) decides.
     When ``original`` is torch's exception-logging wrapper, the hot path calls the function
     under it and hands errors back to it (``_torch_logging_layer``): the same behaviour,
-    one Python frame fewer, so the call has as many frames as without portspeed.
+    one Python frame fewer, so the call has as many frames as without portspeed. While
+    Dynamo traces, ``original`` is called instead: Dynamo maps it, by identity, to a
+    functional collective.
     ``tensor_at``/``op_at``/``group_at`` are the positions (and the tensor's keyword) of
     the arguments in torch's signature.
     """
