@@ -74,8 +74,6 @@ __all__ = [
 
 log = logging.getLogger("portspeed.translation")
 
-_DEFAULT_PREFIXES = DEFAULT_PREFIXES
-
 _REAL_TORCH = torch
 _REAL_CUDA = torch.cuda
 _DEVICE = torch.device
@@ -213,8 +211,8 @@ def add_framework_prefixes(*prefixes: str) -> None:
             _scope_loaded()
 
 
-_hot_dotted: tuple[str, ...] = tuple(p + "." for p in _DEFAULT_PREFIXES)
-_hot_exact: tuple[str, ...] = _DEFAULT_PREFIXES
+_hot_dotted: tuple[str, ...] = tuple(p + "." for p in DEFAULT_PREFIXES)
+_hot_exact: tuple[str, ...] = DEFAULT_PREFIXES
 
 
 def reload_prefixes() -> tuple[str, ...]:
