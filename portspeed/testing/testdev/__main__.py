@@ -1,0 +1,11 @@
+"""``python -m portspeed.testing.testdev build [--verbose]``: build the test device's extension."""
+
+import sys
+
+from .build import main
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["build"]:
+        print("usage: python -m portspeed.testing.testdev build [--verbose]", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[2:]))

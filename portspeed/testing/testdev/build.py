@@ -1,0 +1,91 @@
+"""Building and loading the test device's C++ extension (``torch.utils.cpp_extension``).
+
+Why a build step: the test device is C++ against the installed torch's headers, so it is
+compiled on the machine that runs it (PyPI dependencies only: torch and ninja, and the
+system C++ compiler). The build is cached per Python and torch version; a source change
+rebuilds it. ``make test`` / ``make demo`` build it once up front
+(``python -m portspeed.testing.testdev build``); importing the package builds it if the
+cache is empty, so a fresh machine never needs a manual step.
+
+Where: ``PORTSPEED_TESTDEV_BUILD_DIR`` if set, else ``<sys.prefix>/var/portspeed-testdev/<tag>``
+(inside the virtual environment, so ``make clean`` removes it), else
+``~/.cache/portspeed/testdev/<tag>`` when the prefix is not writable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["EXTENSION_NAME", "SOURCES", "build_dir", "load_extension"]
+
+EXTENSION_NAME = "portspeed_testdev_ext"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES: tuple[str, ...] = ("device.cpp", "memory.cpp", "kernels.cpp", "ccl.cpp", "module.cpp")
+
+_loaded: ModuleType | None = None
+
+
+def _tag() -> str:
+    import torch
+
+    return f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
+
+
+def build_dir() -> Path:
+    """The cache folder of this Python and torch (created if missing)."""
+    env = os.environ.get("PORTSPEED_TESTDEV_BUILD_DIR")
+    candidates = [Path(env)] if env else [Path(sys.prefix) / "var" / "portspeed-testdev", Path.home() / ".cache" / "portspeed" / "testdev"]
+    last_error: OSError | None = None
+    for base in candidates:
+        path = base / _tag()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError as exc:
+            last_error = exc
+    raise OSError(
+        f"no writable build folder for the portspeed test device (tried {', '.join(map(str, candidates))}); "
+        "set PORTSPEED_TESTDEV_BUILD_DIR to a writable folder"
+    ) from last_error
+
+
+def load_extension(verbose: bool = False) -> ModuleType:
+    """Compile (if the cache is stale) and import the extension; once per process."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    from torch.utils import cpp_extension
+
+    try:
+        _loaded = cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(_CSRC / s) for s in SOURCES],
+            extra_cflags=["-O1", "-std=c++20"],
+            extra_include_paths=[str(_CSRC)],
+            build_directory=str(build_dir()),
+            with_cuda=False,
+            verbose=verbose,
+        )
+    except (RuntimeError, OSError, ImportError) as exc:
+        raise RuntimeError(
+            f"building the portspeed test device failed: {exc}\n"
+            "It needs the system C++ compiler (g++) and ninja (pip install ninja); "
+            "run `python -m portspeed.testing.testdev build --verbose` to see the compiler output."
+        ) from exc
+    return _loaded
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m portspeed.testing.testdev build [--verbose]``: build now and say how long it took."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    verbose = "--verbose" in args
+    start = time.perf_counter()
+    load_extension(verbose=verbose)
+    print(f"portspeed test device (a test device, not hardware): extension ready in {time.perf_counter() - start:.1f} s "
+          f"({build_dir()})")
+    return 0

@@ -1,0 +1,37 @@
+"""Registering ``testccl``, the test device's collective backend, with torch.distributed.
+
+The backend itself is C++ (``csrc/ccl.cpp``): a ``c10d::Backend`` for the device type that
+stages every collective through a Gloo process group. Gloo's C++ headers are not shipped
+with torch, so the Gloo group is made here, in Python, and handed to the C++ backend.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["BACKEND_NAME", "register_backend"]
+
+BACKEND_NAME = "testccl"
+
+
+def _creator(ext: Any):
+    def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
+
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [ProcessGroupGloo.create_default_device()]
+        gloo = ProcessGroupGloo(PrefixStore("testccl-staging/", store), rank, size, options)
+        return ext.create_backend(gloo, rank, size)
+
+    return create
+
+
+def register_backend(ext: Any, device_type: str) -> None:
+    """Register ``testccl`` for ``device_type`` (once per process)."""
+    if getattr(dist.Backend, BACKEND_NAME.upper(), None) is not None:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _creator(ext), devices=[device_type])

@@ -1,0 +1,339 @@
+// "testccl": the collective backend of the portspeed test device (see testdev.h).
+//
+// A c10d::Backend for the device type, so every path into c10d reaches it: the Python API,
+// functional collectives and DTensor alike (c10d dispatches PrivateUse1 tensors to the
+// group's backend for PrivateUse1). It stages through a Gloo process group made in Python:
+// inputs are copied to host buffers when the collective is issued, Gloo runs on the host
+// buffers, and results are copied back into the device tensors inside wait(). Until wait()
+// returns, a device output holds what it held before: code that forgets to wait, or frees
+// a buffer too early, gets a wrong answer here as it would on an accelerator.
+//
+// Declared gaps, like a vendor CCL's (the adapter declares the same ones to the router):
+//   * ReduceOp AVG and PREMUL_SUM are refused by every reducing collective;
+//   * bfloat16 is refused by reduce-scatter (list, tensor and coalesced forms).
+#include "testdev.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/extension.h>
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace testdev {
+namespace {
+
+using c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+at::Tensor to_host(const at::Tensor& t) { return t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); }
+
+at::Tensor host_like(const at::Tensor& t) { return at::empty_like(t, t.options().device(at::kCPU)); }
+
+std::vector<at::Tensor> to_host(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(to_host(t));
+  return out;
+}
+
+std::vector<at::Tensor> host_like(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(host_like(t));
+  return out;
+}
+
+// The work of one staged collective: waits for Gloo, then copies host results back into
+// the device tensors (once, whoever asks first: wait() or the future).
+class StagedWork final : public Work {
+ public:
+  StagedWork(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> copy_back, c10d::OpType type,
+             std::vector<at::Tensor> keep_alive, int rank)
+      : Work(rank, type), inner_(std::move(inner)), copy_back_(std::move(copy_back)),
+        keep_alive_(std::move(keep_alive)) {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (inner_) inner_->wait(timeout);
+    finish_copy();
+    return true;
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return copied_;
+  }
+
+  bool isSuccess() const override { return inner_ ? inner_->isSuccess() : true; }
+
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> out;
+    for (auto& p : copy_back_) out.push_back(p.first);
+    return out;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    if (!inner_) {
+      fut->markCompleted(c10::IValue(result()));
+      return fut;
+    }
+    c10::intrusive_ptr<StagedWork> self = c10::intrusive_ptr<StagedWork>::reclaim_copy(this);
+    inner_->getFuture()->addCallback([self, fut](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        fut->setError(done.exception_ptr());
+        return;
+      }
+      self->finish_copy();
+      fut->markCompleted(c10::IValue(self->result()));
+    });
+    return fut;
+  }
+
+ private:
+  void finish_copy() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (copied_) return;
+    for (auto& [device_tensor, host_tensor] : copy_back_) device_tensor.copy_(host_tensor);
+    copied_ = true;
+    keep_alive_.clear();
+  }
+
+  WorkPtr inner_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;  // (device destination, host source)
+  std::vector<at::Tensor> keep_alive_;                          // host inputs Gloo still reads
+  std::mutex mutex_;
+  bool copied_ = false;
+};
+
+// Work that completes when every part does (coalesced forms made of single collectives).
+class GroupWork final : public Work {
+ public:
+  GroupWork(std::vector<WorkPtr> parts, int rank) : Work(rank, c10d::OpType::COALESCED), parts_(std::move(parts)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& w : parts_) w->wait(timeout);
+    return true;
+  }
+  bool isCompleted() override {
+    for (auto& w : parts_) {
+      if (!w->isCompleted()) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::vector<WorkPtr> parts_;
+};
+
+class TestCCL final : public c10d::Backend {
+ public:
+  TestCCL(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size)
+      : c10d::Backend(rank, size), gloo_(std::move(gloo)) {}
+
+  const std::string getBackendName() const override { return "testccl"; }
+
+  WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
+    auto host = to_host(tensors);
+    return staged(gloo_->broadcast(host, opts), pairs(tensors, host), c10d::OpType::BROADCAST);
+  }
+
+  WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
+    check_reduce_op(opts.reduceOp, "allreduce");
+    auto host = to_host(tensors);
+    return staged(gloo_->allreduce(host, opts), pairs(tensors, host), c10d::OpType::ALLREDUCE);
+  }
+
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    check_reduce_op(opts.reduceOp, "allreduce_coalesced");
+    auto host = to_host(tensors);
+    return staged(gloo_->allreduce_coalesced(host, opts), pairs(tensors, host), c10d::OpType::ALLREDUCE_COALESCED);
+  }
+
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    check_reduce_op(opts.reduceOp, "reduce");
+    auto host = to_host(tensors);
+    return staged(gloo_->reduce(host, opts), pairs(tensors, host), c10d::OpType::REDUCE);
+  }
+
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                    const c10d::AllgatherOptions& opts) override {
+    auto host_in = to_host(inputs);
+    std::vector<std::vector<at::Tensor>> host_out;
+    std::vector<std::pair<at::Tensor, at::Tensor>> back;
+    for (auto& list : outputs) {
+      host_out.push_back(host_like(list));
+      append(back, pairs(list, host_out.back()));
+    }
+    return staged(gloo_->allgather(host_out, host_in, opts), std::move(back), c10d::OpType::ALLGATHER, host_in);
+  }
+
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override {
+    at::Tensor host_in = to_host(input);
+    at::Tensor host_out = host_like(output);
+    return staged(gloo_->_allgather_base(host_out, host_in, opts), {{output, host_out}}, c10d::OpType::_ALLGATHER_BASE,
+                  {host_in});
+  }
+
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllgatherOptions& opts) override {
+    auto host_in = to_host(inputs);
+    auto host_out = host_like(outputs);
+    return staged(gloo_->allgather_into_tensor_coalesced(host_out, host_in, opts), pairs(outputs, host_out),
+                  c10d::OpType::COALESCED, host_in);
+  }
+
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts) override {
+    auto host_in = to_host(inputs);
+    std::vector<std::vector<at::Tensor>> host_out;
+    std::vector<std::pair<at::Tensor, at::Tensor>> back;
+    for (auto& list : outputs) {
+      host_out.push_back(host_like(list));
+      append(back, pairs(list, host_out.back()));
+    }
+    return staged(gloo_->gather(host_out, host_in, opts), std::move(back), c10d::OpType::GATHER, host_in);
+  }
+
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts) override {
+    std::vector<std::vector<at::Tensor>> host_in;
+    std::vector<at::Tensor> keep;
+    for (auto& list : inputs) {
+      host_in.push_back(to_host(list));
+      keep.insert(keep.end(), host_in.back().begin(), host_in.back().end());
+    }
+    auto host_out = host_like(outputs);
+    return staged(gloo_->scatter(host_out, host_in, opts), pairs(outputs, host_out), c10d::OpType::SCATTER, keep);
+  }
+
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                         const c10d::ReduceScatterOptions& opts) override {
+    check_reduce_op(opts.reduceOp, "reduce_scatter");
+    check_reduce_scatter_dtype(outputs, "reduce_scatter");
+    std::vector<std::vector<at::Tensor>> host_in;
+    std::vector<at::Tensor> keep;
+    for (auto& list : inputs) {
+      host_in.push_back(to_host(list));
+      keep.insert(keep.end(), host_in.back().begin(), host_in.back().end());
+    }
+    auto host_out = host_like(outputs);
+    return staged(gloo_->reduce_scatter(host_out, host_in, opts), pairs(outputs, host_out),
+                  c10d::OpType::REDUCE_SCATTER, keep);
+  }
+
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    check_reduce_op(opts.reduceOp, "reduce_scatter_tensor");
+    std::vector<at::Tensor> outs{output};
+    check_reduce_scatter_dtype(outs, "reduce_scatter_tensor");
+    at::Tensor host_in = to_host(input);
+    at::Tensor host_out = host_like(output);
+    return staged(gloo_->_reduce_scatter_base(host_out, host_in, opts), {{output, host_out}},
+                  c10d::OpType::_REDUCE_SCATTER_BASE, {host_in});
+  }
+
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    check_reduce_op(opts.reduceOp, "reduce_scatter_tensor_coalesced");
+    check_reduce_scatter_dtype(outputs, "reduce_scatter_tensor_coalesced");
+    auto host_in = to_host(inputs);
+    auto host_out = host_like(outputs);
+    return staged(gloo_->reduce_scatter_tensor_coalesced(host_out, host_in, opts), pairs(outputs, host_out),
+                  c10d::OpType::COALESCED, host_in);
+  }
+
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                        std::vector<int64_t>& input_splits, const c10d::AllToAllOptions& opts) override {
+    at::Tensor host_in = to_host(input);
+    at::Tensor host_out = host_like(output);
+    return staged(gloo_->alltoall_base(host_out, host_in, output_splits, input_splits, opts), {{output, host_out}},
+                  c10d::OpType::ALLTOALL_BASE, {host_in});
+  }
+
+  WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                   const c10d::AllToAllOptions& opts) override {
+    auto host_in = to_host(inputs);
+    auto host_out = host_like(outputs);
+    return staged(gloo_->alltoall(host_out, host_in, opts), pairs(outputs, host_out), c10d::OpType::ALLTOALL, host_in);
+  }
+
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    // The host copy is taken now: like NCCL, the send has captured the data when it returns.
+    auto host = to_host(tensors);
+    return staged(gloo_->send(host, dst, tag), {}, c10d::OpType::SEND, host);
+  }
+
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    auto host = host_like(tensors);
+    return staged(gloo_->recv(host, src, tag), pairs(tensors, host), c10d::OpType::RECV);
+  }
+
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    auto host = host_like(tensors);
+    return staged(gloo_->recvAnysource(host, tag), pairs(tensors, host), c10d::OpType::RECVANYSOURCE);
+  }
+
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override {
+    c10d::BarrierOptions host_opts = opts;
+    host_opts.device_ids.clear();
+    host_opts.device = std::nullopt;
+    return gloo_->barrier(host_opts);
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    gloo_->monitoredBarrier(opts, wait_all_ranks);
+  }
+
+  void setSequenceNumberForGroup() override { gloo_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return gloo_->getSequenceNumberForGroup(); }
+  void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
+
+ private:
+  static std::vector<std::pair<at::Tensor, at::Tensor>> pairs(const std::vector<at::Tensor>& device,
+                                                              const std::vector<at::Tensor>& host) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> out;
+    for (size_t i = 0; i < device.size(); ++i) out.emplace_back(device[i], host[i]);
+    return out;
+  }
+
+  static void append(std::vector<std::pair<at::Tensor, at::Tensor>>& to,
+                     std::vector<std::pair<at::Tensor, at::Tensor>>&& more) {
+    for (auto& p : more) to.push_back(std::move(p));
+  }
+
+  WorkPtr staged(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> back, c10d::OpType type,
+                 std::vector<at::Tensor> keep_alive = {}) {
+    return c10::make_intrusive<StagedWork>(std::move(inner), std::move(back), type, std::move(keep_alive), getRank());
+  }
+
+  void check_reduce_op(const c10d::ReduceOp& op, const char* collective) const {
+    TORCH_CHECK(op.op_ != c10d::ReduceOp::AVG,
+                "testccl (portspeed test-device CCL) does not support ReduceOp.AVG in ", collective,
+                "; reduce with SUM and divide (portspeed's router does this when the adapter declares the gap)");
+    TORCH_CHECK(op.op_ != c10d::ReduceOp::PREMUL_SUM,
+                "testccl (portspeed test-device CCL) does not support ReduceOp.PREMUL_SUM in ", collective,
+                "; scale, then reduce with SUM");
+  }
+
+  void check_reduce_scatter_dtype(const std::vector<at::Tensor>& outputs, const char* collective) const {
+    for (const auto& t : outputs) {
+      TORCH_CHECK(t.scalar_type() != at::kBFloat16, "testccl (portspeed test-device CCL) does not support bfloat16 in ",
+                  collective, "; reduce in float32 (portspeed's router upcasts when the adapter declares the gap)");
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> create_backend(py::object gloo, int rank, int size) {
+  auto* raw = gloo.cast<c10d::Backend*>();
+  TORCH_CHECK(raw != nullptr, "testccl needs a Gloo backend object to stage through");
+  auto held = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);
+  return c10::make_intrusive<TestCCL>(std::move(held), rank, size);
+}
+
+}  // namespace testdev
