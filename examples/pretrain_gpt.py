@@ -196,6 +196,9 @@ def build_model(args: argparse.Namespace) -> tuple[list[DistributedDataParallel]
         model.model_type = ModelType.encoder_or_decoder
         if args.bf16:
             model = model.to(torch.bfloat16)
+        # use_cpu_initialization builds the weights on the host; training runs on the device
+        # (Megatron-LM's get_model does the same with model.cuda())
+        model = model.to(get_accelerator().device())
         chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                               disable_bucketing=vp > 0))
     return chunks, config

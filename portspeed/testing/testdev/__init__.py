@@ -19,10 +19,14 @@ Build it ahead of time with ``python -m portspeed.testing.testdev build``.
 
 from __future__ import annotations
 
-import torch
+import time
 
-from . import device_module
-from .build import load_extension
+_start = time.perf_counter()
+
+import torch  # noqa: E402
+
+from . import device_module  # noqa: E402
+from .build import load_extension  # noqa: E402
 from .ccl import BACKEND_NAME, register_backend
 
 __all__ = ["BACKEND_NAME", "DEVICE_TYPE", "extension"]
@@ -50,3 +54,5 @@ def _register() -> object:
 
 
 extension = _register()
+#: seconds this import took: building (when the cache was stale) or loading, and registering
+load_seconds = time.perf_counter() - _start

@@ -97,6 +97,9 @@ class StagedWork final : public Work {
   void finish_copy() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (copied_) return;
+    // A collective writes its outputs outside autograd (Megatron receives into leaf tensors
+    // that require grad), so the copy back must not be recorded as an in-place op.
+    at::NoGradGuard no_grad;
     for (auto& [device_tensor, host_tensor] : copy_back_) device_tensor.copy_(host_tensor);
     copied_ = true;
     keep_alive_.clear();

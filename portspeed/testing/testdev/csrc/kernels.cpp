@@ -124,6 +124,17 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 
 void record_stream(at::Tensor&, c10::Stream) {}  // every stream runs in program order
 
+// `param.data = other` between host and device tensors: torch allows it between dense CPU and
+// CUDA/XPU/... tensors, but its list of dense backends does not name PrivateUse1 (Megatron
+// does `weight.data = weight.data.cuda()`). Answer for the test device as for CUDA.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  if (self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set())) return true;
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && !t.is_quantized() && (t.is_cpu() || t.device().type() == kDeviceType);
+  };
+  return dense(self) && dense(from);
+}
+
 // ---------------------------------------------------------------- the checked fallback
 bool allows_host_operands(const c10::OperatorName& name) {
   // CUDA accepts host index tensors for advanced indexing; so does the test device.
@@ -246,6 +257,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
   m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
   m.impl("record_stream", TORCH_FN(record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
   // Composed of operators that reach this device (empty_like, bernoulli_, mul): the mask is
   // drawn by bernoulli_ from the device generator through the checked fallback.
   m.impl("native_dropout", TORCH_FN(at::native::native_dropout_cpu));
