@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test test-stock bench clean
+.PHONY: venv testdev demo test test-stock bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +16,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+## The test device (a C++ PrivateUse1 device, not hardware): compiled against the installed torch,
+## cached in the venv; a no-op (about a second) when the sources did not change.
+testdev: $(STAMP)
+	$(PY) -m portspeed.testing.testdev build
+
 ## The main job: a Megatron-Core GPT trained on CPU/Gloo with TP, PP and DP through portspeed.
-demo: $(STAMP)
+demo: $(STAMP) testdev
 	OMP_NUM_THREADS=1 $(PY) examples/demo.py
 
 ## The test suite (what CI runs).
-test: $(STAMP)
+test: $(STAMP) testdev
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 ## Tests against stock Megatron-LM; needs MEGATRON_LM_ROOT pointing at a core_v0.16.1 checkout.
