@@ -109,12 +109,19 @@ def _module_cuda(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return instance.to(get_accelerator().device(_index(device)))
 
 
-def cuda_type_string(s: str) -> str:
-    """'torch.FloatTensor' or 'torch.npu.FloatTensor' -> 'torch.cuda.FloatTensor'."""
+def cuda_type_string(s: str, device_type: str | None = None) -> str:
+    """A tensor type string in CUDA spelling when it names the adapter's device, else unchanged.
+
+    'torch.testdev.FloatTensor' -> 'torch.cuda.FloatTensor' on the 'testdev' adapter. A host
+    type ('torch.FloatTensor') is the device's only on a host adapter (``device_type`` 'cpu',
+    the default): on any other adapter a host tensor stays a host tensor, so framework code
+    that checks ``t.type() == 'torch.cuda.FloatTensor'`` sees a tensor left on the host.
+    """
+    dt = "cpu" if device_type is None else device_type
     parts = s.split(".")
     if len(parts) == 2 and parts[0] == "torch":
-        return f"torch.cuda.{parts[1]}"
-    if len(parts) == 3 and parts[0] == "torch":
+        return f"torch.cuda.{parts[1]}" if dt == "cpu" else s
+    if len(parts) == 3 and parts[0] == "torch" and parts[1] == dt:
         return f"torch.cuda.{parts[2]}"
     return s
 
@@ -132,7 +139,7 @@ def tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fals
     """Tensor.type (replacement): framework code compares against 'torch.cuda.*' strings; answer in CUDA spelling."""
     if dtype is None and not kwargs:
         s = _BASE_TYPE(self)
-        return cuda_type_string(s) if caller_is_framework(2) else s
+        return cuda_type_string(s, get_accelerator().device_type) if caller_is_framework(2) else s
     if isinstance(dtype, str) and dtype.startswith("torch.cuda.") and caller_is_framework(2):
         dtype = local_type_string(dtype)
     return _BASE_TYPE(self, dtype, non_blocking, **kwargs)

@@ -163,3 +163,56 @@ def test_dead_rank_fails_the_job_naming_it() -> None:
     assert len(root) == 2, f"torchrun printed no root cause:\n{res.stderr[-2000:]}"
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root[1]), root[1][:800]
     assert re.search(r"exitcode\s*:\s*17", root[1]), root[1][:800]
+
+
+# ---------------------------------------------------------------------- on the test device
+# The same trainer on portspeed's test device (a C++ PrivateUse1 device with its own memory,
+# generator and CCL; a test device, not hardware), compared with the CPU TP1 run above:
+# a cross-device comparison, so a tensor left on the host, a wrong generator or a missing
+# wait on a collective shows as an error or a different loss.
+TESTDEV = {"PORTSPEED_ACCELERATOR": "testdev"}
+
+TESTDEV_LAYOUTS = [
+    pytest.param(2, ["--tp", "2"], id="tp2"),
+    pytest.param(2, ["--pp", "2", "--vpp", "2", "--deallocate-pipeline-outputs"], id="pp2-vpp2-dealloc"),
+    pytest.param(2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+                 id="dp2-distopt-overlap"),
+    pytest.param(2, ["--tp", "2", "--sequence-parallel"], id="tp2-sp"),
+    pytest.param(4, ["--tp", "2", "--pp", "2"], id="tp2xpp2"),
+]
+
+
+@pytest.mark.testdev
+@pytest.mark.parametrize("nproc,extra", TESTDEV_LAYOUTS)
+def test_testdev_layout_matches_cpu_tp1(nproc: int, extra: list[str], init_ckpt: str, tp1: dict, tmp_path) -> None:
+    """On the test device each layout's fp32 lm loss equals the CPU TP1 run's within 1e-5."""
+    record = tmp_path / "losses.json"
+    got = _run(nproc, [*extra, "--loss-log", str(record)], init=init_ckpt, env=TESTDEV)
+    meta = json.loads(record.read_text())["meta"]
+    assert (meta["accelerator"], meta["backend"]) == ("testdev", "testccl"), meta
+    _assert_close(got, tp1, FP32_TOL, "testdev " + " ".join(extra))
+
+
+@pytest.mark.testdev
+def test_testdev_bf16_tp2_matches_cpu_bf16_tp1(init_ckpt: str) -> None:
+    """bf16 on the test device (TP2) against bf16 on CPU (TP1), within the CPU bf16 band."""
+    cpu = _run(1, ["--bf16"], init=init_ckpt, iters=5)
+    dev = _run(2, ["--bf16", "--tp", "2"], init=init_ckpt, iters=5, env=TESTDEV)
+    worst = _assert_close(dev, cpu, BF16_TOL, "testdev bf16 tp2 vs cpu bf16 tp1")
+    print(f"testdev bf16 tp2 vs cpu bf16 tp1 max |diff| {worst:.3g}")
+
+
+@pytest.mark.testdev
+@pytest.mark.parametrize("first,second", [("testdev", "cpu"), ("cpu", "testdev")])
+def test_checkpoint_moves_between_cpu_and_testdev(first: str, second: str, init_ckpt: str, tp1: dict,
+                                                  tmp_path) -> None:
+    """Saved on one device, resumed on the other (model + optimizer): iterations 6..10 equal the CPU run."""
+    env = {"cpu": None, "testdev": TESTDEV}
+    mid = str(tmp_path / "mid")
+    head = _run(2, ["--tp", "2", "--save", mid], init=init_ckpt, iters=5, env=env[first])
+    _assert_close(head, {i: tp1[i] for i in range(1, 6)}, FP32_TOL, f"{first} first half")
+    res = torchrun(SCRIPT, 2, [*MODEL, "--tp", "2", "--iters", "5", "--load", mid], timeout=TIMEOUT,
+                   env=env[second]).check()
+    tail = parse_losses(res.stdout)
+    assert sorted(tail) == list(range(6, 11)), f"resumed run printed iterations {sorted(tail)}"
+    _assert_close(tail, {i: tp1[i] for i in range(6, 11)}, FP32_TOL, f"saved on {first}, resumed on {second}")

@@ -300,7 +300,8 @@ def test_tensor_and_module_methods_translate_for_framework_callers_only(scoped) 
 
 def test_type_string_helpers(cpu_adapter) -> None:
     assert torch_cuda.cuda_type_string("torch.FloatTensor") == "torch.cuda.FloatTensor"
-    assert torch_cuda.cuda_type_string("torch.npu.HalfTensor") == "torch.cuda.HalfTensor"
+    assert torch_cuda.cuda_type_string("torch.npu.HalfTensor", "npu") == "torch.cuda.HalfTensor"
+    assert torch_cuda.cuda_type_string("torch.FloatTensor", "npu") == "torch.FloatTensor"  # host stays host
     assert torch_cuda.local_type_string("torch.cuda.BFloat16Tensor") == "torch.BFloat16Tensor"
 
 

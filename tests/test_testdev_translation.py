@@ -1,0 +1,104 @@
+"""Framework code that names CUDA runs on the test device, and host tensors stay host tensors there.
+
+On the CPU adapter a host tensor *is* a device tensor, so translations that confuse the two
+pass unnoticed; on the test device (a C++ PrivateUse1 device, not hardware) they cannot.
+Each test runs in a fresh process with ``PORTSPEED_ACCELERATOR=testdev`` and a made-up
+framework package ``tdfw`` (named in ``PORTSPEED_FRAMEWORK_MODULES``) whose functions call
+the CUDA APIs the way Megatron does.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers.launch import run_python
+
+pytestmark = [pytest.mark.testdev]
+
+FRAMEWORK = '''
+import torch
+
+def type_str(t):
+    return t.type()
+
+def to_cuda(t):
+    return t.cuda()
+
+def make():
+    return torch.zeros(2, device="cuda")
+
+def make_on_current():
+    return torch.empty(2, device=torch.cuda.current_device())
+
+def current():
+    return torch.cuda.current_device()
+
+def rng_state():
+    return torch.cuda.get_rng_state()
+
+def seed(s):
+    torch.cuda.manual_seed(s)
+'''
+
+
+def _run(tmp_path: Path, code: str) -> None:
+    pkg = tmp_path / "tdfw"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text(FRAMEWORK)
+    prelude = textwrap.dedent("""
+        import torch
+        import portspeed, portspeed.megatron_adaptor as adaptor
+        adaptor.activate()
+        import tdfw
+    """)
+    res = run_python(["-c", prelude + textwrap.dedent(code) + "\nprint('OK')\n"], timeout=180,
+                     env={"PORTSPEED_ACCELERATOR": "testdev", "PORTSPEED_FRAMEWORK_MODULES": "tdfw",
+                          "PYTHONPATH": str(tmp_path)})
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
+        f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-2000:]}\n--- stderr ---\n{res.stderr[-5000:]}")
+
+
+def test_cuda_calls_from_framework_code_land_on_the_test_device(tmp_path: Path) -> None:
+    """t.cuda(), device='cuda' and torch.cuda.current_device() mean the test device for framework code."""
+    _run(tmp_path, """
+        assert portspeed.get_accelerator().name == "testdev"
+        torch.testdev.set_device(2)
+        assert tdfw.current() == 2
+        assert tdfw.to_cuda(torch.ones(2)).device == torch.device("testdev", 2)
+        assert tdfw.make().device == torch.device("testdev", 2)
+        assert tdfw.make_on_current().device == torch.device("testdev", 2)
+    """)
+
+
+def test_type_string_tells_host_from_device(tmp_path: Path) -> None:
+    """Megatron asserts grad.type() == 'torch.cuda.FloatTensor': only a device tensor may answer that."""
+    _run(tmp_path, """
+        assert tdfw.type_str(torch.ones(2, device="testdev")) == "torch.cuda.FloatTensor"
+        assert tdfw.type_str(torch.ones(2, device="testdev", dtype=torch.bfloat16)) == "torch.cuda.BFloat16Tensor"
+        assert tdfw.type_str(torch.ones(2)) == "torch.FloatTensor", "a host tensor claimed to be on the device"
+        assert torch.ones(2, device="testdev").type() == "torch.testdev.FloatTensor"  # non-framework code: torch's answer
+    """)
+
+
+def test_cuda_rng_calls_reach_the_device_generator(tmp_path: Path) -> None:
+    """torch.cuda.manual_seed / get_rng_state from framework code are the device generator's, not the host's."""
+    _run(tmp_path, """
+        host = torch.get_rng_state()
+        tdfw.seed(1234)
+        assert torch.equal(host, torch.get_rng_state()), "seeding 'cuda' moved the host generator"
+        assert torch.equal(tdfw.rng_state(), torch.testdev.get_rng_state())
+        assert torch.testdev.initial_seed() == 1234
+    """)
+
+
+def test_host_generator_patch_is_inactive_on_a_device_with_its_own_generator(tmp_path: Path) -> None:
+    """The data-iterator RNG patch exists for devices whose generator is the host's; the test device's is not."""
+    _run(tmp_path, """
+        from portspeed.patches.megatron.training_data_rng import shares_host_generator
+        from portspeed.adapters.cpu import CpuAccelerator
+        assert not shares_host_generator(portspeed.get_accelerator())
+        assert shares_host_generator(CpuAccelerator())
+    """)
