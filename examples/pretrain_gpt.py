@@ -264,6 +264,9 @@ def load_checkpoint(args: argparse.Namespace, model: list, optimizer: Any) -> in
     if with_opt:
         optimizer.load_state_dict(state["optimizer"])
         return int(state["iteration"])
+    # weights only: the optimizer's fp32 main copies (bf16) still hold the initial weights
+    # (as Megatron-LM does after a --finetune load)
+    optimizer.reload_model_params()
     return 0
 
 

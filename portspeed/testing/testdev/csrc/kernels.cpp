@@ -9,6 +9,8 @@
 //    host index tensors for indexing, as on CUDA);
 //  * makes random operators draw from the device's own generator, never the host's;
 //  * refuses a random operator it cannot route to the device generator, naming it.
+// The few operators whose composite decomposition would otherwise bypass the fallback are
+// sent to it explicitly, so the device computes what torch's CPU kernels compute.
 // Autocast for the device registers torch's own operator lists on AutocastPrivateUse1.
 #include "testdev.h"
 
@@ -261,6 +263,13 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // Composed of operators that reach this device (empty_like, bernoulli_, mul): the mask is
   // drawn by bernoulli_ from the device generator through the checked fallback.
   m.impl("native_dropout", TORCH_FN(at::native::native_dropout_cpu));
+  // Operators whose CompositeExplicitAutograd decomposition would otherwise win over the
+  // fallback on this device, and compute differently from the CPU kernel (bf16 layer_norm
+  // without float accumulation, for one): run torch's CPU kernel, like every other operator.
+  for (const char* name : {"native_layer_norm", "native_group_norm", "addr", "addr.out", "_stack", "_stack.out",
+                           "linalg__powsum", "all.dims_out", "any.dims_out"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&checked_fallback>());
+  }
 }
 
 // bf16/fp16 autocast on the device, with torch's own operator lists.
