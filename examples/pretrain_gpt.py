@@ -159,6 +159,9 @@ def init_distributed(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
         distributed_timeout_minutes=max(1, math.ceil(timeout / 60)))
+    # as Megatron-LM's _set_random_seed: the host generator (CPU-initialised weights, data) and
+    # the device generators; on the CPU adapter they are one generator, on a device they are not
+    torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
 
 
