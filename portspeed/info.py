@@ -8,8 +8,10 @@ Reports, like DeepSpeed's ``ds_report``:
 - the selected backend's capability gaps on the installed torch (what the collective
   router will rewrite);
 - each patch set (torch_cuda, torch_distributed, megatron, deepspeed) with every patch's
-  gate evaluated here: would apply, gated out by its distribution version, disabled by
-  PORTSPEED_DISABLE, or inactive on this adapter. Gates are read from the Patch records
+  gate evaluated here: would apply, gated out (distribution missing), disabled by
+  PORTSPEED_DISABLE, or inactive (its range excludes this release, or not for this adapter).
+  Versions are those gates read (``versions.gate_version``: a Megatron-LM checkout on
+  PYTHONPATH counts, not the wheel it shadows). Gates are read from the Patch records
   and distribution metadata; Megatron and DeepSpeed are not imported.
 
 ``--json`` prints the same as one JSON object. Exit status: 0, or 1 when the settings
@@ -28,7 +30,7 @@ from typing import Any, Callable
 from . import __version__, config
 from .accelerator import adapter_class, available_adapters, get_accelerator, selection_reason
 from .errors import PortspeedError
-from .versions import distribution_version
+from .versions import SUPPORTED, distribution_version, gate_version
 
 __all__ = ["PATCH_SETS", "VERSIONED", "collect", "evaluate_gate", "main"]
 
@@ -49,6 +51,23 @@ _FRAMEWORKS = ("megatron", "deepspeed")
 def _version(name: str) -> str:
     v = distribution_version(name)
     return str(v) if v is not None else "not installed"
+
+
+def _gate_versions() -> dict[str, str]:
+    """What gates compare against where it is not the metadata (a checkout on PYTHONPATH), and untested releases."""
+    from packaging.specifiers import SpecifierSet
+
+    out: dict[str, str] = {}
+    for name, supported in SUPPORTED.items():
+        gv = gate_version(name)
+        if gv.version is None:
+            continue
+        line = gv.describe(name) if gv.source != "metadata" else ""
+        if gv.version not in SpecifierSet(supported, prereleases=True):
+            line = f"{gv.describe(name)}: UNTESTED, outside the supported {supported}"
+        if line:
+            out[name] = line
+    return out
 
 
 def _package_loads(cls: Any) -> bool:
@@ -105,11 +124,11 @@ def evaluate_gate(patch: Any, settings: config.Settings, acc: Any) -> tuple[str,
     if settings.is_disabled(patch.name):
         return "disabled", "blocked by PORTSPEED_DISABLE"
     if patch.distribution:
-        version = distribution_version(patch.distribution)
-        if version is None:
+        gv = gate_version(patch.distribution)
+        if gv.version is None:
             return "gated out", f"{patch.distribution} is not installed"
-        if patch.versions and version not in patch.specifier:
-            return "gated out", f"{patch.distribution} {version} is outside {patch.versions!r}"
+        if patch.versions and gv.version not in patch.specifier:
+            return "inactive", f"{gv.describe(patch.distribution)} is outside {patch.versions!r}"
     if patch.when is not None:
         if acc is None:
             return "unknown", "has a condition on the adapter, and no adapter could be selected"
@@ -120,7 +139,7 @@ def evaluate_gate(patch: Any, settings: config.Settings, acc: Any) -> tuple[str,
         if not ok:
             return "inactive", f"condition false on adapter {acc.name!r}"
     if patch.distribution:
-        return "applies", f"{patch.distribution} {distribution_version(patch.distribution)} in {patch.versions or 'any'!r}"
+        return "applies", f"{gate_version(patch.distribution).describe(patch.distribution)} in {patch.versions or 'any'!r}"
     return "applies", "no version gate"
 
 
@@ -173,6 +192,7 @@ def collect() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": {name: _version(name) for name in VERSIONED},
+        "gate_versions": _gate_versions(),
         "ok": True,
     }
     try:
@@ -208,6 +228,8 @@ def render(report: dict[str, Any]) -> str:
     """The human-readable report."""
     out = [f"portspeed {report['portspeed']}  (python {report['python']}, {report['platform']})", "", "versions:"]
     out += _table([[k, v] for k, v in report["versions"].items()])
+    for name, line in report.get("gate_versions", {}).items():
+        out.append(f"  gates read: {line}")
     if "settings_error" in report:
         out += ["", f"SETTINGS ERROR: {report['settings_error']}"]
     out += ["", "adapters:"]

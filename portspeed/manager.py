@@ -16,15 +16,18 @@ Contract
 - ``revert`` restores every original object, and also rebinds aliases taken after
   patching back to the original; ``scoped`` applies a set of patches inside a ``with``
   block only (restored on exit, exception or not). ``apply`` after ``revert`` works.
-- Skips (target missing, distribution missing or out of range) and failures (condition
-  raised, install raised) are recorded with reasons. With PORTSPEED_STRICT=1 they raise
+- Skips (target missing, distribution missing) and failures (condition raised, install
+  raised) are recorded with reasons. Versions are read by ``versions.gate_version``: the
+  imported package's release where it can differ from the installed one (a checkout on
+  PYTHONPATH), said once in the log when it does. A running version outside
+  ``versions.SUPPORTED`` warns once (an error under PORTSPEED_STRICT=1). With PORTSPEED_STRICT=1 they raise
   PatchStrictError: from ``apply`` (or ``register`` on an active manager), or from the
   ``import`` of a module whose patches fail. Either way nothing of that batch stays
   installed: targets keep their originals, no hook stays pending for it, and the other
   patches of the batch return to the status they had.
-- A ``when`` condition that is false makes a patch "inactive": not an error, strict or
-  not, because a condition is a declared decision (this patch is for another device),
-  not drift.
+- A ``when`` condition that is false, or a declared version range that excludes the
+  running version, makes a patch "inactive": not an error, strict or not, because both are
+  declared decisions (this patch is for another device or release), not drift.
 
 Limits: references held in closures, default arguments and containers cannot be rebound,
 nor can subclasses of a replaced class; ``report(deep=True)`` lists them (it walks the
@@ -52,7 +55,7 @@ from typing import Any, Iterable, Iterator
 from . import config
 from .errors import PatchConflictError, PatchDefinitionError, PatchStrictError
 from .patch import REPLACE, Patch
-from .versions import distribution_version
+from .versions import SUPPORTED, GateVersion, gate_version
 
 __all__ = ["PatchManager", "PatchRecord", "STATUSES"]
 
@@ -216,6 +219,7 @@ class PatchManager:
         self._generation = 0
         self._seq = 0
         self._lock = threading.RLock()
+        self._said: set[str] = set()  # version warnings given once per manager
 
     # ------------------------------------------------------------------ register
     def register(self, patches: Iterable[Patch]) -> None:
@@ -370,21 +374,24 @@ class PatchManager:
         settings = config.settings()
         accelerator = None
         by_module: dict[str, list[PatchRecord]] = {}
+        seen: dict[str, GateVersion] = {}
         for r in records:
             p = r.patch
             if settings.is_disabled(p.name):
                 r.status, r.detail = "disabled", "blocked by PORTSPEED_DISABLE"
                 continue
             if p.distribution:
-                version = distribution_version(p.distribution)
-                if version is None:
+                gv = seen.get(p.distribution)
+                if gv is None:
+                    gv = seen[p.distribution] = gate_version(p.distribution)
+                if gv.version is None:
                     self._mark(r, "skipped", f"distribution {p.distribution!r} is not installed "
                                              f"(needed by target {p.target})")
                     continue
-                if p.versions and version not in p.specifier:
-                    self._mark(r, "skipped", f"{p.distribution} {version} is outside the range {p.versions!r} "
-                                             f"this patch of {p.target} is written for; check `portspeed info` "
-                                             "for the supported versions")
+                if p.versions and gv.version not in p.specifier:
+                    # a declared range is a decision (this patch is for other releases), not drift
+                    r.status = "inactive"
+                    r.detail = f"{gv.describe(p.distribution)} is outside the range {p.versions!r} this patch is written for"
                     continue
             if p.when is not None:
                 if accelerator is None:
@@ -402,7 +409,40 @@ class PatchManager:
                     continue
             r.status, r.detail = "pending", f"waiting for `import {p.module}`"
             by_module.setdefault(p.module, []).append(r)
+        self._check_versions(seen)
         return by_module
+
+    def _check_versions(self, seen: dict[str, GateVersion]) -> None:
+        """Say once when imported code shadows the installed release, and when a release is untested.
+
+        A version outside ``versions.SUPPORTED`` is one no patch was checked against: the patches
+        whose ranges admit it still apply (most releases keep most targets), with one warning
+        naming the supported range; under PORTSPEED_STRICT=1 it is an error.
+        """
+        from packaging.specifiers import SpecifierSet
+
+        for dist, gv in seen.items():
+            if gv.version is None:
+                continue
+            key = f"{dist}=={gv.version}@{gv.source}"
+            if gv.shadowed and key + ":shadow" not in self._said:
+                self._said.add(key + ":shadow")
+                log.warning("portspeed: %s", gv.describe(dist))
+            supported = SUPPORTED.get(dist)
+            if supported is None or gv.version in SpecifierSet(supported, prereleases=True):
+                continue
+            message = (f"{gv.describe(dist)} is outside the range portspeed's patches were checked against "
+                       f"({dist} {supported})")
+            if config.settings().strict:
+                raise PatchStrictError(
+                    f"PORTSPEED_STRICT=1 and {message}. Install a {dist} in {supported!r}, or unset "
+                    f"PORTSPEED_STRICT to run with the patches whose ranges admit it "
+                    f"(`portspeed patches --check {gv.version}` lists the targets that changed).")
+            if key not in self._said:
+                self._said.add(key)
+                log.warning("portspeed: %s; the patches whose ranges admit it are applied untested. "
+                            "`portspeed patches --check %s` lists targets that moved or changed; "
+                            "PORTSPEED_STRICT=1 makes this an error.", message, gv.version)
 
     def _check_replacements(self, by_module: dict[str, list[PatchRecord]]) -> None:
         """Two live replacements of one target (possible when PORTSPEED_DISABLE changed since register)."""
@@ -470,9 +510,9 @@ class PatchManager:
             try:
                 owner, attr = _resolve(module, p.attr_path)
             except AttributeError as exc:
-                version = distribution_version(p.distribution) if p.distribution else None
-                if version is not None:
-                    where = f" in {p.distribution} {version}"
+                gv = gate_version(p.distribution) if p.distribution else None
+                if gv is not None and gv.version is not None:
+                    where = f" in {gv.describe(p.distribution)}"
                 elif p.distribution:
                     where = f" ({p.distribution} version unknown)"
                 else:

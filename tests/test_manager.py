@@ -514,7 +514,8 @@ def test_missing_target_in_module_imported_later(mods: Modules, mgr: PatchManage
     assert t.f(1) == ("ok", ("f", 1))
 
 
-def test_distribution_out_of_range_and_not_installed_are_skipped(mods: Modules, mgr: PatchManager) -> None:
+def test_out_of_range_is_inactive_and_not_installed_is_skipped(mods: Modules, mgr: PatchManager) -> None:
+    """A range that excludes the running version is a declared decision (inactive); a missing distribution is not."""
     t = imp(mods.target())
     version = distribution_version("wrapt")
     mgr.register([
@@ -523,7 +524,7 @@ def test_distribution_out_of_range_and_not_installed_are_skipped(mods: Modules, 
         wrap("inrange", f"{t.__name__}:f", distribution="wrapt", versions=f"=={version}"),
     ])
     mgr.apply()
-    assert status(mgr, "old")["status"] == "skipped"
+    assert status(mgr, "old")["status"] == "inactive"
     assert f"wrapt {version}" in status(mgr, "old")["detail"] and "'<1'" in status(mgr, "old")["detail"]
     assert status(mgr, "absent")["status"] == "skipped"
     assert "portspeed-no-such-distribution" in status(mgr, "absent")["detail"]
@@ -533,7 +534,6 @@ def test_distribution_out_of_range_and_not_installed_are_skipped(mods: Modules, 
 def _broken(t: str) -> dict[str, Patch]:
     return {
         "missing target": wrap("bad", f"{t}:nope"),
-        "out of range": wrap("bad", f"{t}:f", distribution="wrapt", versions="<1"),
         "not installed": wrap("bad", f"{t}:f", distribution="portspeed-no-such-distribution"),
         "condition raised": wrap("bad", f"{t}:f", when=lambda acc: 1 / 0),
     }
@@ -553,6 +553,18 @@ def test_strict_raises_at_apply_with_nothing_half_applied(mods: Modules, mgr: Pa
     assert status(mgr, "good")["status"] == "registered" and status(mgr, "hook")["status"] == "registered"
     assert status(mgr, "bad")["status"] in ("skipped", "failed")
     assert imp(later).f(1) == ("f", 1)  # no hook was left behind
+
+
+def test_strict_accepts_a_range_that_excludes_the_running_version(mods: Modules, mgr: PatchManager,
+                                                                  env: Any) -> None:
+    """PORTSPEED_STRICT=1 fails on drift, not on a patch written for other releases (torch 2.6-2.12 vs >=2.13)."""
+    t = imp(mods.target())
+    env(PORTSPEED_STRICT="1")
+    mgr.register([wrap("newer", f"{t.__name__}:f", distribution="wrapt", versions=">=999"),
+                  wrap("now", f"{t.__name__}:C.m")])
+    mgr.apply()
+    assert status(mgr, "newer")["status"] == "inactive" and status(mgr, "now")["status"] == "applied"
+    assert t.f(1) == ("f", 1)
 
 
 def test_strict_raises_from_import_when_target_missing(mods: Modules, mgr: PatchManager, env: Any) -> None:
