@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "patches": ("portspeed.patch_report:main", "list every patch: applied / pending / skipped / failed"),
     "run": ("portspeed.launch:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
     "compare": ("portspeed.compare:main", "compare per-iteration losses of two or more runs"),
+    "conformance": ("portspeed.conformance.__main__:main",
+                    "prove an adapter on its hardware: device, collectives, training vs CPU losses"),
 }
 
 

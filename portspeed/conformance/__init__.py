@@ -1,0 +1,24 @@
+"""Conformance kit: prove an adapter on the machine that has its hardware.
+
+portspeed's CI has no vendor accelerator, so the vendor adapters cannot be proven there.
+This kit is what a vendor (or a user) runs on its own machine against any adapter:
+
+- ``device``: device/host separation (a host and a device tensor do not mix, moves are
+  copies, views alias), the device generator is separate from the host's (seeding, state
+  save/restore, dropout draws), streams, events and memory statistics answer;
+- ``collectives``: every collective Megatron and DeepSpeed use, through portspeed's router
+  with ``"nccl"`` requested, on device tensors, value for value against a single-process
+  reference (gaps the adapter declares are rewritten);
+- ``training``: the example GPT trainer (megatron-core, TP2 on 2 ranks, fp32) compared with
+  the CPU loss record shipped in this package.
+
+Run it with ``portspeed conformance --adapter NAME`` (exit 0: every check passed). The
+portspeed test device (``--adapter testdev``, a test device, not hardware) is its first
+customer and runs it in CI.
+"""
+
+from __future__ import annotations
+
+from .report import Check, Report
+
+__all__ = ["Check", "Report"]

@@ -1,0 +1,65 @@
+"""Results of the conformance checks: one record per check, and how they are printed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+__all__ = ["Check", "Report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check: its suite, its name (the rule it tests), whether it held, and why not."""
+
+    suite: str
+    name: str
+    ok: bool
+    detail: str = ""
+    skipped: bool = False
+
+
+@dataclasses.dataclass
+class Report:
+    """The checks of one run of the kit, for one adapter."""
+
+    adapter: str
+    checks: list[Check] = dataclasses.field(default_factory=list)
+
+    def add(self, suite: str, name: str, ok: bool, detail: str = "") -> None:
+        self.checks.append(Check(suite, name, bool(ok), "" if ok else detail))
+
+    def skip(self, suite: str, name: str, why: str) -> None:
+        self.checks.append(Check(suite, name, True, why, skipped=True))
+
+    def run(self, suite: str, name: str, fn: Callable[[], Any]) -> None:
+        """Run ``fn``; an AssertionError or any exception fails the check with its message."""
+        try:
+            fn()
+        except Exception as exc:  # a check that raises is a failed check, reported by name
+            self.add(suite, name, False, f"{type(exc).__name__}: {exc}")
+        else:
+            self.add(suite, name, True)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def summary_line(self) -> str:
+        passed = sum(1 for c in self.checks if c.ok and not c.skipped)
+        skipped = sum(1 for c in self.checks if c.skipped)
+        line = f"{passed} passed, {len(self.failed)} failed"
+        return line + (f", {skipped} skipped" if skipped else "")
+
+    def render(self) -> str:
+        lines = [f"portspeed conformance: adapter {self.adapter!r}"]
+        for c in self.checks:
+            mark = "skip" if c.skipped else ("ok" if c.ok else "FAIL")
+            lines.append(f"  [{mark:>4}] {c.suite}: {c.name}" + (f" -- {c.detail}" if c.detail else ""))
+        lines.append("conformance: " + self.summary_line())
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"adapter": self.adapter, "checks": [dataclasses.asdict(c) for c in self.checks]},
+                          indent=1)
