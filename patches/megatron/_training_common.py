@@ -11,8 +11,8 @@ __all__ = ["DISTRIBUTION", "VERSIONS", "off_cuda", "log_once", "log"]
 
 #: megatron.training is not in the megatron-core wheel; the checkout matching it is gated on its version
 DISTRIBUTION = "megatron-core"
-#: checked against Megatron-LM tag core_v0.16.1
-VERSIONS = ">=0.16,<0.17"
+#: checked against Megatron-LM tags core_v0.16.1 to core_v0.19.0; a patch whose target a release dropped gates itself
+VERSIONS = ">=0.16"
 
 log = logging.getLogger("portspeed.megatron")
 _said: set[str] = set()

@@ -47,5 +47,5 @@ PATCHES: list[Patch] = [
           target="megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.offload_to_cpu",
           kind=WRAP, impl=offload_to_cpu,
           reason="on a host device .cpu() is no copy, so offloading then freeing the storage would lose the parameters",
-          distribution=CORE_DIST, versions=">=0.16,<0.17", when=not_cuda),
+          distribution=CORE_DIST, versions=">=0.16", when=not_cuda),
 ]

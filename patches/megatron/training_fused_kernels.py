@@ -30,7 +30,7 @@ PATCHES: list[Patch] = [
         kind=REPLACE,
         impl=load_nothing,
         distribution=DISTRIBUTION,
-        versions=VERSIONS,
+        versions=">=0.16,<0.17",  # megatron.legacy.fused_kernels is gone from core_v0.17.0 on
         when=off_cuda,
         reason="fused_kernels.load probes nvcc under CUDA_HOME (None without a CUDA toolkit) and builds "
         "nothing, so off CUDA it only crashes.",

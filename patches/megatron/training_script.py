@@ -1,0 +1,78 @@
+"""Megatron-LM's own scripts are framework code: from core_v0.18 on they move batches to the GPU themselves.
+
+Up to core_v0.17 ``pretrain_gpt.py`` handed the batch to ``megatron.training.utils``, which
+moved it with ``.cuda()`` (a framework module, so translated). From core_v0.18 the script's
+own ``get_batch`` calls ``batch[key].cuda(non_blocking=True)``; the script runs as
+``__main__``, which is not a framework module, so on a machine without a GPU the call
+reached the real ``torch.cuda`` ("Found no NVIDIA driver" on PyPI's CUDA build, "Torch not
+compiled with CUDA" on the CPU build).
+
+When ``pretrain()`` starts, and the running ``__main__`` file lies in a Megatron-LM checkout
+(its folder holds ``megatron/training``), ``__main__`` and the checkout's other top-level
+modules (``model_provider``, ``gpt_builders``...) become framework modules
+(``portspeed.translation.add_framework_prefixes``): they see the translated torch like the
+rest of Megatron. A user's own script is left alone (name it in PORTSPEED_FRAMEWORK_MODULES
+to opt in).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from portspeed.patch import WRAP, Patch
+
+from ._training_common import DISTRIBUTION, log_once, off_cuda
+
+__all__ = ["PATCHES", "checkout_root", "checkout_modules", "scope_checkout_scripts"]
+
+
+def checkout_root(path: str | None) -> str | None:
+    """The Megatron-LM checkout holding file ``path`` at its top level, or None."""
+    if not path:
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(os.path.join(folder, "megatron", "training", "__init__.py")):
+        return folder
+    return None
+
+
+def checkout_modules(root: str) -> list[str]:
+    """Names of imported modules whose file sits at the top of checkout ``root`` (``__main__`` included)."""
+    names = []
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str) and os.path.dirname(os.path.abspath(f)) == root:
+            names.append(name)
+    return sorted(names)
+
+
+def scope_checkout_scripts(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """wrapt wrapper of ``megatron.training.training.pretrain``: see the module docstring."""
+    main = sys.modules.get("__main__")
+    root = checkout_root(getattr(main, "__file__", None))
+    if root is not None:
+        from portspeed import translation
+
+        names = checkout_modules(root)
+        if names:
+            translation.add_framework_prefixes(*names)
+            log_once("checkout_scripts", "portspeed: Megatron-LM's own script modules (%s) see the translated "
+                     "torch, like megatron.*", ", ".join(names))
+    return wrapped(*args, **kwargs)
+
+
+PATCHES: list[Patch] = [
+    Patch(
+        name="megatron.training.scripts_are_framework",
+        target="megatron.training.training:pretrain",
+        kind=WRAP,
+        impl=scope_checkout_scripts,
+        distribution=DISTRIBUTION,
+        versions=">=0.18",  # core_v0.18's pretrain_gpt.py is the first to call .cuda() itself
+        when=off_cuda,
+        reason="From core_v0.18 the stock pretrain_gpt.py moves each batch with tensor.cuda() in its own "
+        "get_batch; the script is __main__, not a framework module, so the call reached the real torch.cuda.",
+    ),
+]
