@@ -172,6 +172,10 @@ class CudaView(types.ModuleType):
         "use_mem_pool": "CUDA memory pools (nccl_ub, UVM) need CUDA",
         "ExternalStream": "external CUDA streams need CUDA",
         "CUDAPluggableAllocator": "pluggable CUDA allocators need CUDA",
+        # not a CUDA-only feature: the name does not exist in torch.cuda on any build, so the
+        # view does not invent it (a hasattr probe must answer as it does on CUDA)
+        "Generator": "torch.cuda has no Generator on any torch build, CUDA included; "
+                     "torch.Generator(device='cuda') is the CUDA generator and is translated",
     }
 
     def __init__(self) -> None:

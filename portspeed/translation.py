@@ -6,7 +6,7 @@ Contract
   An attribute it does not map raises ``UnsupportedCudaCallError`` naming the call, the
   caller's file:line and the adapter.
 - ``TorchView`` is a module-like proxy of ``torch``: ``.cuda`` is the CudaView, tensor
-  factories and ``autocast`` translate CUDA device arguments to the adapter's device,
+  factories, ``autocast`` and ``Generator`` translate CUDA device arguments to the adapter's device,
   everything else is the real torch object (copied into the view's namespace, so an
   attribute read costs what it costs on the real module).
 - ``enable()`` gives the views to *framework modules* (names under the prefixes in
@@ -142,6 +142,42 @@ def _factory(fn: Callable[..., Any]) -> Callable[..., Any]:
     return factory
 
 
+class _GeneratorType(type):
+    """Metaclass of the view's ``Generator``: it *is* torch.Generator for isinstance, issubclass and class attributes.
+
+    Megatron probes ``hasattr(torch.Generator, "graphsafe_set_state")`` and tests
+    ``isinstance(state, torch.Generator)``; both must answer as for the real class.
+    """
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _REAL_TORCH.Generator)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _REAL_TORCH.Generator)
+
+    def __getattr__(cls, attr: str) -> Any:
+        return getattr(_REAL_TORCH.Generator, attr)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Generator:
+        if args:
+            args = (translate_device(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = translate_device(kwargs["device"])
+        return _REAL_TORCH.Generator(*args, **kwargs)
+
+
+class Generator(metaclass=_GeneratorType):
+    """``torch.Generator`` for framework modules: a CUDA ``device`` (name, torch.device or int index) means the adapter's.
+
+    Megatron's text-generation controller makes its sampling generator with
+    ``torch.Generator(device=torch.cuda.current_device())``; off CUDA that device must be
+    the adapter's, and the generator the adapter's device generator type. Instances are
+    real ``torch.Generator`` objects.
+    """
+
+    __portspeed_original__ = _REAL_TORCH.Generator
+
+
 class TorchView(types.ModuleType):
     """``torch`` as framework modules see it: the real namespace, with ``cuda`` and factories translated."""
 
@@ -155,6 +191,7 @@ class TorchView(types.ModuleType):
             if fn is not None:
                 self.__dict__[name] = _factory(fn)
         self.__dict__["autocast"] = _autocast
+        self.__dict__["Generator"] = Generator
         self.__dict__["cuda"] = cuda
 
     def __getattr__(self, attr: str) -> Any:
@@ -300,7 +337,7 @@ def _view_objects() -> dict[int, tuple[Any, Any]]:
     """id(real object) -> (real, view object) for everything the views replace."""
     tv, cv = torch_view(), cuda_view()
     pairs: dict[int, tuple[Any, Any]] = {id(_REAL_TORCH): (_REAL_TORCH, tv), id(_REAL_CUDA): (_REAL_CUDA, cv)}
-    for name in FACTORIES + ("autocast",):
+    for name in FACTORIES + ("autocast", "Generator"):
         real = getattr(_REAL_TORCH, name, None)
         if real is not None:
             pairs[id(real)] = (real, tv.__dict__[name])

@@ -26,6 +26,7 @@ MODULE_SRC = textwrap.dedent('''
     import torch
     import torch.nn as nn
     from torch.cuda import _lazy_call, current_device
+    from torch import Generator as TorchGenerator
 
     def seen():
         return torch
@@ -51,6 +52,10 @@ MODULE_SRC = textwrap.dedent('''
 
     def module_cuda(m):
         return m.cuda()
+
+    def sampling_generator():
+        # as Megatron's text-generation controller makes its sampling generator
+        return torch.Generator(device=torch.cuda.current_device())
 ''')
 
 
@@ -177,6 +182,80 @@ def test_torch_view_forwards_everything_else(cpu_adapter) -> None:
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0), 0, 2])
+def test_generator_on_a_cuda_device_is_the_adapters_generator_type(cpu_adapter, device) -> None:
+    """torch.Generator(device=<CUDA device or int index>) in the view is a new CPU generator on the CPU adapter."""
+    tv = translation.torch_view()
+    g = tv.Generator(device=device)
+    assert type(g) is torch.Generator and g.device.type == "cpu"
+    assert g is not torch.default_generator
+    assert tv.Generator(device).device.type == "cpu"  # positional, as torch.Generator accepts it
+
+
+def test_translated_generator_is_its_own_and_keeps_torchs_class(cpu_adapter) -> None:
+    """Seeding it leaves the default generator alone; isinstance and class attributes answer as torch.Generator."""
+    tv = translation.torch_view()
+    host = torch.get_rng_state()
+    g = tv.Generator(device="cuda")
+    g.manual_seed(42)
+    a = torch.rand(4, generator=g)
+    assert torch.equal(torch.get_rng_state(), host), "drawing from the translated generator moved the default one"
+    assert torch.equal(torch.rand(4, generator=tv.Generator(device=0).manual_seed(42)), a)
+    assert isinstance(g, tv.Generator) and issubclass(torch.Generator, tv.Generator)
+    assert not isinstance(torch.ones(1), tv.Generator)
+    assert tv.Generator.manual_seed is torch.Generator.manual_seed
+    assert hasattr(tv.Generator, "graphsafe_set_state") == hasattr(torch.Generator, "graphsafe_set_state")
+    assert tv.Generator().device.type == "cpu" and tv.Generator("cpu").device.type == "cpu"  # host stays host
+
+
+def test_cuda_generator_name_is_not_invented(cpu_adapter) -> None:
+    """torch.cuda has no Generator on any build: the view says so instead of answering what CUDA never does."""
+    assert not hasattr(torch.cuda, "Generator")
+    cv = translation.cuda_view()
+    assert not hasattr(cv, "Generator")
+    with pytest.raises(UnsupportedCudaCallError, match=r"torch.Generator\(device='cuda'\)"):
+        cv.Generator
+
+
+@pytest.mark.testdev
+def test_generator_on_the_test_device_is_a_device_generator() -> None:
+    """On the test device (a test device, not hardware) Megatron's sampling generator is a testdev generator.
+
+    Subprocess: registering the test device is permanent in a process. The generator must
+    be on the current device, seeded independently of the device's default generator and
+    the host's, and usable by device ops (multinomial draws from it).
+    """
+    from helpers.launch import run_python
+
+    code = textwrap.dedent('''
+        import torch
+        import portspeed.megatron_adaptor as adaptor
+        adaptor.activate()
+        import portspeed
+        assert portspeed.get_accelerator().device_type == "testdev"
+        from portspeed import translation
+        tv = translation.torch_view()
+        torch.testdev.set_device(1)
+        g = tv.Generator(device=tv.cuda.current_device())
+        assert g.device == torch.device("testdev", 1), g.device
+        assert tv.Generator(device="cuda:3").device == torch.device("testdev", 3)
+        assert tv.Generator(device="cuda").device == torch.device("testdev", 1)
+        assert tv.Generator().device.type == "cpu"
+        host, dev = torch.get_rng_state(), torch.testdev.get_rng_state(1)
+        g.manual_seed(7)
+        p = torch.tensor([0.1, 0.2, 0.3, 0.4], device="testdev:1")
+        a = torch.multinomial(p, 8, replacement=True, generator=g)
+        assert a.device == torch.device("testdev", 1)
+        assert torch.equal(torch.get_rng_state(), host), "the host generator moved"
+        assert torch.equal(torch.testdev.get_rng_state(1), dev), "the device's default generator moved"
+        b = torch.multinomial(p, 8, replacement=True, generator=tv.Generator(device=1).manual_seed(7))
+        assert torch.equal(a.cpu(), b.cpu())
+        print("generator-ok")
+    ''')
+    res = run_python(["-c", code], timeout=180, env={"PORTSPEED_ACCELERATOR": "testdev"})
+    assert res.returncode == 0 and "generator-ok" in res.stdout, res.stderr[-4000:]
+
+
 # ---------------------------------------------------------------------- scoping
 def test_framework_module_imported_later_binds_the_view(scoped) -> None:
     """`import torch` / `from torch.cuda import x` inside a framework module bind the views; others stay real."""
@@ -189,6 +268,9 @@ def test_framework_module_imported_later_binds_the_view(scoped) -> None:
     assert fw.cuda_available() is True
     assert plain.torch is torch and plain.inner_import() is torch
     assert plain.cuda_available() is torch.cuda.is_available()
+    assert fw.sampling_generator().device.type == "cpu"
+    with pytest.raises((AssertionError, RuntimeError)):
+        plain.sampling_generator()  # ordinary code gets torch's own answer: no CUDA here
     assert torch.cuda.is_available() is False and torch.cuda.device_count() == 0  # the real answers
 
 
@@ -208,9 +290,11 @@ def test_already_imported_framework_module_is_rebound_and_restored(tmp_path, mon
         translation.enable()
         assert early.torch is translation.torch_view()
         assert early.current_device == translation.cuda_view().current_device
+        assert early.TorchGenerator is translation.Generator
         translation.disable()
         assert early.torch is torch
         assert early.current_device is torch.cuda.current_device
+        assert early.TorchGenerator is torch.Generator
     finally:
         for name in [n for n in sys.modules if n == FW or n.startswith(FW + ".")]:
             del sys.modules[name]
