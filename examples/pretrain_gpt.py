@@ -28,6 +28,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any, Iterator
 
 import torch
@@ -78,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", default=None, help="torch_dist checkpoint directory to start from")
     p.add_argument("--finetune", action="store_true", help="with --load: weights only, start at iteration 0")
     p.add_argument("--loss-log", default=None, help="JSON loss record (default: PORTSPEED_LOSS_LOG)")
+    p.add_argument("--print-step-time", action="store_true",
+                   help="also print 'step time ms: X' per iteration (benchmarks/bench_testdev_step.py)")
     p.add_argument("--backend", default=None, help="c10d backend (default: the adapter's)")
     p.add_argument("--deallocate-pipeline-outputs", action="store_true",
                    help="free each stage's output after sending it, as Megatron-LM's training loop does")
@@ -350,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
             with recorder.iteration(it):
                 loss, gn, ok = train_step(args, model, optimizer, it)
         else:
+            t0 = time.perf_counter()
             loss, gn, ok = train_step(args, model, optimizer, it)
+            if args.print_step_time and report:
+                print(f"step time ms: {(time.perf_counter() - t0) * 1000:.3f}", flush=True)
         if report:
             print(f"iteration {it} | lm loss: {loss!r} | grad norm: {gn!r}", flush=True)
             if writer is not None:
