@@ -4,7 +4,8 @@ A patch names its target as ``"package.module:Qualified.attr"`` (the module part
 what gets imported; the part after the colon is walked with getattr), says whether it
 **replaces** the target or **wraps** it, carries the replacement or the wrapper, the
 distribution and PEP 440 version range it is written for, an optional condition on the
-active accelerator, and one sentence of why.
+active accelerator, one sentence of why, and the fingerprints of its target's source in the
+releases it was checked against (``portspeed.drift``: drift shows before users meet it).
 
 Wrappers use wrapt's signature ``wrapper(wrapped, instance, args, kwargs)`` and are
 installed as ``wrapt.FunctionWrapper`` objects (``style="wrapt"``, the default). For a
@@ -65,8 +66,12 @@ class Patch:
     when: "Callable[[Accelerator], bool] | None" = None
     order: int = 0
     style: WrapStyle = "wrapt"
+    #: release -> fingerprint of the target's source in that release (portspeed.drift); a dict is accepted
+    fingerprints: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.fingerprints, dict):
+            object.__setattr__(self, "fingerprints", tuple(sorted(self.fingerprints.items())))
         if not isinstance(self.name, str) or not re.match(r"^[A-Za-z0-9_.\-]+$", self.name):
             raise PatchDefinitionError(f"patch name {self.name!r} must be non-empty letters, digits, '.', '_', '-'")
         if not isinstance(self.target, str):

@@ -13,7 +13,15 @@ out of range), failed, inactive (condition false on this adapter), disabled
 (PORTSPEED_DISABLE), reverted. ``--deep`` adds references the manager could not rebind
 (closures, defaults, containers: found through the garbage collector, slow).
 
-Exit status: 0, or 1 when an adaptor or a target import failed or any patch failed.
+``--check SOURCE`` instead checks the Megatron patches against a Megatron source without
+importing it (``portspeed.drift``): SOURCE is a Megatron-LM checkout, a megatron-core
+wheel, ``GITDIR@TAG``, ``installed``, or a release number (its cp312 wheel is downloaded
+with pip). ``--record`` then writes the fingerprints it found for that release into
+``portspeed/patches/megatron/fingerprints.py`` (after reviewing the changed patches).
+
+Exit status: 0, or 1 when an adaptor or a target import failed or any patch failed (with
+``--check``: when any patch's target is missing or changed, or was never recorded); 2 when
+the source cannot be read.
 """
 
 from __future__ import annotations
@@ -117,8 +125,50 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def check_source(spec: str) -> dict[str, Any]:
+    """The drift check of the Megatron patch set against ``spec`` (see ``portspeed.drift``), as plain data."""
+    from portspeed import drift
+    from portspeed.patches.megatron import all_patches
+
+    tree = drift.open_source(spec)
+    release, findings = drift.check(all_patches(), tree)
+    counts: dict[str, int] = {}
+    for f in findings:
+        counts[f.status] = counts.get(f.status, 0) + 1
+    return {"source": tree.label, "release": str(release), "counts": counts,
+            "findings": [f.as_dict() for f in findings], "ok": not any(counts.get(s) for s in drift.DRIFT)}
+
+
+def render_check(result: dict[str, Any]) -> str:
+    """One line per patch: status, name, and what changed."""
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(result["counts"].items()))
+    out = [f"megatron-core {result['release']} from {result['source']}: {summary}"]
+    order = {s: i for i, s in enumerate(("missing", "changed", "unrecorded", "ok", "inactive", "absent"))}
+    for f in sorted(result["findings"], key=lambda f: (order.get(f["status"], 9), f["name"])):
+        out.append(f"  {f['status'].upper():10} {f['name']}  ({f['target']}): {f['detail']}")
+    return "\n".join(out) + "\n"
+
+
+def record(result: dict[str, Any], path: str | None = None) -> str:
+    """Merge ``result``'s fingerprints (release -> digest per patch) into the fingerprints module; returns its path."""
+    import pprint
+
+    from portspeed.patches.megatron import fingerprints
+
+    table = {k: dict(v) for k, v in fingerprints.FINGERPRINTS.items()}
+    for f in result["findings"]:
+        if f["fingerprint"] is not None and f["status"] != "inactive":
+            table.setdefault(f["name"], {})[result["release"]] = f["fingerprint"]
+    path = path or fingerprints.__file__
+    head = (fingerprints.__doc__ or "").strip()
+    body = pprint.pformat(table, width=110, sort_dicts=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(f'"""{head}\n"""\n\nFINGERPRINTS: dict[str, dict[str, str]] = {body}\n')
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`portspeed patches [--json] [--deep] [--adaptor A] [--import-targets] [--status S ...]`."""
+    """`portspeed patches [--json] [--deep] [--adaptor A] [--import-targets] [--status S ...] [--check SRC [--record]]`."""
     parser = argparse.ArgumentParser(prog="portspeed patches", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the listing")
     parser.add_argument("--deep", action="store_true",
@@ -129,7 +179,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="import the module of every pending patch first (imports the frameworks)")
     parser.add_argument("--status", nargs="+", choices=STATUS_ORDER, metavar="STATUS",
                         help=f"only list patches in these statuses ({', '.join(STATUS_ORDER)})")
+    parser.add_argument("--check", metavar="PATH_OR_VERSION",
+                        help="check the Megatron patches' targets against a checkout, wheel, GITDIR@TAG, "
+                             "'installed' or a megatron-core release, without importing it")
+    parser.add_argument("--record", action="store_true",
+                        help="with --check: record this release's fingerprints (after reviewing the changes)")
     args = parser.parse_args(argv)
+    if args.record and not args.check:
+        parser.error("--record needs --check SOURCE")
+    if args.check:
+        from portspeed.drift import SourceError
+
+        try:
+            checked = check_source(args.check)
+        except SourceError as exc:
+            sys.stderr.write(f"portspeed patches --check: {exc}\n")
+            return 2
+        if args.record:
+            sys.stderr.write(f"recorded megatron-core {checked['release']} in {record(checked)}\n")
+        sys.stdout.write(json.dumps(checked, indent=2) + "\n" if args.json else render_check(checked))
+        return 0 if checked["ok"] or args.record else 1
     result = collect(args.adaptor, import_targets=args.import_targets, deep=args.deep)
     if args.status:
         result["filter"] = list(args.status)

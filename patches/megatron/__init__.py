@@ -1,11 +1,13 @@
 """Megatron patches, one module per thing patched; each module exports ``PATCHES: list[Patch]``.
 
 ``all_patches()`` collects them by walking this package, so adding a patch module needs
-no edit here.
+no edit here, and attaches each one's recorded target fingerprints (``fingerprints.py``,
+written by ``portspeed patches --check SOURCE --record``; see ``portspeed.drift``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 
@@ -20,4 +22,6 @@ def all_patches() -> list[Patch]:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         mod = importlib.import_module(f"{__name__}.{info.name}")
         out.extend(getattr(mod, "PATCHES", []))
-    return out
+    from .fingerprints import FINGERPRINTS
+
+    return [dataclasses.replace(p, fingerprints=FINGERPRINTS[p.name]) if p.name in FINGERPRINTS else p for p in out]
