@@ -257,7 +257,29 @@ class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
     def device_count(self) -> int:
         return int(self._adapter.device_count())
 
+    def _torch_memory_info(self, device_index: int | None) -> tuple[int, int] | None:
+        """(free, total) from ``torch.accelerator`` when the adapter's device is torch's accelerator.
+
+        That is the query every PrivateUse1 / in-tree device answers; a vendor device module
+        need not have CUDA's ``get_device_properties`` (the test device has not).
+        """
+        if not torch.accelerator.is_available():
+            return None
+        current = torch.accelerator.current_accelerator()
+        if current is None or current.type != self._adapter.device_type:
+            return None
+        index = self.current_device() if device_index is None else int(device_index)
+        free, total = torch.accelerator.get_memory_info(index)
+        return int(free), int(total)
+
+    def total_memory(self, device_index: int | None = None) -> int:
+        info = self._torch_memory_info(device_index)
+        return info[1] if info is not None else self._adapter.total_memory(device_index)
+
     def available_memory(self, device_index: int | None = None) -> int:
+        info = self._torch_memory_info(device_index)
+        if info is not None:
+            return info[0]
         return self.total_memory(device_index) - self.memory_reserved(device_index)
 
     def lazy_call(self, callback: Callable[[], Any]) -> Any:
