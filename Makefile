@@ -1,17 +1,38 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.
-PYTHON ?= python3
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+#
+# CI has two legs, and `make test` runs both (`.ci/run` calls it):
+#   leg 1: $(PYTHON) (3.11 on CI), torch 2.13.0 CPU wheel, megatron-core 0.16.1   -> .venv,    constraints.txt
+#   leg 2: Python 3.12, PyPI's torch 2.13.0 (a CUDA build; CI has no GPU),
+#          megatron-core 0.19.2, DeepSpeed 0.19.8                                 -> .venv312, constraints-py312.txt
+# One leg alone: `make test-leg1` or `make test-leg2`. Every venv recipe is the same one,
+# parameterised by PYTHON / VENV / CONSTRAINTS (a recursive make for leg 2).
+PYTHON      ?= python3
+VENV        ?= .venv
+CONSTRAINTS ?= constraints.txt
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed
+# Python 3.12 for leg 2: PYTHON312=..., else pyenv's 3.12, else a python3.12 that runs
+PYTHON312   ?= $(shell { p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/python3; } || \
+                 { python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null; })
+#: leg 2 runs the parts a Python 3.12 / CUDA-build user meets first (adaptor, translation, router,
+#: Megatron parity, DeepSpeed, versions and drift). Markers pick what belongs to one leg only:
+#: `cuda_build` (PyPI's CUDA torch: leg 2), `cpu_wheel` (the CPU wheel: leg 1); `testdev` and
+#: `stock` (needs MEGATRON_LM_ROOT) are leg 1's.
+LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/test_translation.py \
+               tests/test_router.py tests/test_collective_conformance.py tests/test_selection.py \
+               tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
+               tests/test_cuda_build.py tests/test_drift.py
+LEG1_MARKS  := not cuda_build
+LEG2_MARKS  := not cpu_wheel and not testdev and not stock
 
-.PHONY: venv testdev demo test test-stock bench clean
+.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock stock-tests bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
-	# the pinned CPU torch first: an unpinned torch pulls several GB of CUDA wheels
+	# torch first and pinned: the rest must not pull another torch
 	$(PY) -m pip install -q torch==2.13.0
 	# DS_BUILD_OPS=0: DeepSpeed installs without compiling any op (none is needed on CPU)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -25,18 +46,39 @@ testdev: $(STAMP)
 demo: $(STAMP) testdev
 	OMP_NUM_THREADS=1 $(PY) examples/demo.py
 
-## The test suite (what CI runs).
-test: $(STAMP) testdev
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+## The test suite (what CI runs): both legs.
+test: test-leg1 test-leg2
 
-## Tests against stock Megatron-LM; needs MEGATRON_LM_ROOT pointing at a core_v0.16.1 checkout.
-test-stock: $(STAMP)
-	@test -n "$(MEGATRON_LM_ROOT)" || { echo "set MEGATRON_LM_ROOT to a Megatron-LM checkout at tag core_v0.16.1"; exit 2; }
-	$(PY) -m pip install -q -c constraints.txt -e ".[stock]"
+## Leg 1: the whole suite on $(PYTHON) with the CPU torch wheel and megatron-core 0.16.1.
+test-leg1: $(STAMP) testdev
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "$(LEG1_MARKS)"
+
+## Leg 2: Python 3.12, PyPI torch (CUDA build, no GPU), megatron-core 0.19.2, DeepSpeed 0.19.8.
+test-leg2: venv312
+	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m "$(LEG2_MARKS)" $(LEG2_TESTS)
+
+venv312:
+	@test -n "$(PYTHON312)" && "$(PYTHON312)" -c 'import sys; assert sys.version_info[:2] == (3, 12)' || { \
+	  echo "leg 2 needs Python 3.12: set PYTHON312=/path/to/python3.12 (pyenv install 3.12 provides one)"; exit 2; }
+	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt venv
+
+## Tests against stock Megatron-LM (MEGATRON_LM_ROOT: a checkout at core_v0.16.1 ... core_v0.19.0).
+## core_v0.16.x runs in leg 1's venv; core_v0.17 and later need Python 3.12, so they run in leg 2's.
+STOCK_MINOR = $(shell sed -n 's/^MINOR = //p' "$(MEGATRON_LM_ROOT)/megatron/core/package_info.py" 2>/dev/null)
+test-stock:
+	@test -n "$(MEGATRON_LM_ROOT)" || { echo "set MEGATRON_LM_ROOT to a Megatron-LM checkout (tag core_v0.16.1 to core_v0.19.0)"; exit 2; }
+	@test -n "$(STOCK_MINOR)" || { echo "MEGATRON_LM_ROOT=$(MEGATRON_LM_ROOT) has no megatron/core/package_info.py: not a Megatron-LM checkout"; exit 2; }
+	@if [ "$(STOCK_MINOR)" -ge 17 ]; then \
+	  $(MAKE) --no-print-directory venv312 && \
+	  $(MAKE) --no-print-directory VENV=.venv312 CONSTRAINTS=constraints-py312.txt stock-tests; \
+	else $(MAKE) --no-print-directory stock-tests; fi
+
+stock-tests: $(STAMP)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[stock]"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv312 build *.egg-info
