@@ -75,7 +75,9 @@ test-stock:
 
 stock-tests: $(STAMP)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[stock]"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py
+	$(PY) -m portspeed.testing.testdev build
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py \
+	    tests/test_stock_testdev.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done
