@@ -77,6 +77,9 @@ def collect(adaptor: str = "all", import_targets: bool = False, deep: bool = Fal
 
     result: dict[str, Any] = {"adaptors": _import_all(list(ADAPTORS[adaptor]))}
     if import_targets:
+        from portspeed import activation
+
+        activation.activate_waiting()  # the adaptors defer their set-up to the framework's first import
         pending = [r.patch.module for r in portspeed.manager().records() if r.status == "pending"]
         result["target_imports"] = _import_all(list(dict.fromkeys(pending)))
     patches = portspeed.report(deep=deep)
