@@ -2,13 +2,15 @@
 
 Importing ``habana_frameworks.torch`` registers the ``hpu`` device and ``torch.hpu``;
 importing ``habana_frameworks.torch.distributed.hccl`` registers the ``hccl`` c10d
-backend, so both are vendor modules. Where torch.hpu differs from torch.cuda:
+backend, so both are vendor modules. The generic adapter covers the rest; where
+torch.hpu differs from it, this file says so:
 
 - the default generators live in ``torch.hpu.random``;
 - ``synchronize``, ``current_stream`` and ``default_stream`` take no device index
   (one process drives one Gaudi);
 - there is no cache to empty, and total memory is the ``Limit`` memory statistic;
-- Gaudi has no float64, and first-generation Gaudi no float16 (asked of the bridge).
+- Gaudi has no float64, and first-generation Gaudi no float16 (asked of the bridge);
+- Habana's HCCL (not Ascend's, whose name it shares) has no PRODUCT, AVG or bitwise ops.
 
 Not run on Gaudi hardware by this project: tested against ``tests/fakes/fake_habana.py``.
 """
@@ -19,13 +21,15 @@ import importlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from portspeed.accelerator import Accelerator
+from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
+from portspeed.capabilities import BITWISE_OPS, BackendGaps
 
 __all__ = ["HpuAccelerator"]
 
 
-class HpuAccelerator(Accelerator):
+class HpuAccelerator(PrivateUse1Accelerator):
     """Intel Gaudi through the Habana PyTorch bridge (``habana-torch-plugin``) with HCCL."""
 
     name = "hpu"
@@ -34,6 +38,10 @@ class HpuAccelerator(Accelerator):
     vendor_modules = ("habana_frameworks.torch", "habana_frameworks.torch.distributed.hccl")
     vendor_package = "habana-torch-plugin"
     verified_on_hardware = False
+    backend_gaps = BackendGaps(
+        unsupported_ops=(dist.ReduceOp.PRODUCT, dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM, *BITWISE_OPS),
+        note="HCCL (Habana) per vendor documentation, not run on hardware here",
+    )
 
     def synchronize(self, index: int | None = None) -> None:
         self.module.synchronize()
@@ -63,9 +71,3 @@ class HpuAccelerator(Accelerator):
 
     def is_fp64_supported(self) -> bool:
         return False
-
-    def range_push(self, msg: str) -> None:
-        pass
-
-    def range_pop(self) -> None:
-        pass

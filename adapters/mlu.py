@@ -1,21 +1,26 @@
-"""The Cambricon MLU adapter: ``torch_mlu`` registers ``torch.mlu``; collectives use CNCL.
+"""The Cambricon MLU adapter: ``torch_mlu`` registers the ``mlu`` device and ``torch.mlu``; CNCL.
 
-torch_mlu follows the torch.cuda API (devices, streams, events, memory statistics,
-``default_generators``), so the base class delegates to ``torch.mlu``. What differs:
-the backend is ``cncl``, profiling ranges go to ``torch.mlu.cnpx``, and float64 tensors
-are computed in float32 without an error, so float64 is reported as unsupported.
+torch_mlu is a PrivateUse1 device with a torch.cuda-like module, so the generic adapter
+covers devices, streams, RNG and memory. What differs: the names; profiling ranges go to
+``torch.mlu.cnpx``; float64 tensors are computed in float32 without an error, so float64
+is reported as unsupported; and what CNCL lacks (AVG, PREMUL_SUM, bitwise ops) or narrows
+(float64, which the router then refuses instead of passing on).
 
 Not run on Cambricon hardware by this project: tested against ``tests/fakes/fake_torch_mlu.py``.
 """
 
 from __future__ import annotations
 
-from portspeed.accelerator import Accelerator
+import torch
+import torch.distributed as dist
+
+from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
+from portspeed.capabilities import BITWISE_OPS, REDUCING_COLLECTIVES, BackendGaps
 
 __all__ = ["MluAccelerator"]
 
 
-class MluAccelerator(Accelerator):
+class MluAccelerator(PrivateUse1Accelerator):
     """Cambricon MLU through torch_mlu (Cambricon's wheel ``torch_mlu``) with CNCL."""
 
     name = "mlu"
@@ -23,7 +28,11 @@ class MluAccelerator(Accelerator):
     backend = "cncl"
     vendor_modules = ("torch_mlu",)
     vendor_package = "torch_mlu"
-    verified_on_hardware = False
+    backend_gaps = BackendGaps(
+        unsupported_ops=(dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM, *BITWISE_OPS),
+        wrong_dtypes=tuple((c, torch.float64) for c in REDUCING_COLLECTIVES),
+        note="CNCL per vendor documentation, not run on hardware here",
+    )
 
     def is_fp64_supported(self) -> bool:
         # The MLU maps double to float silently: a float64 result would not be float64.

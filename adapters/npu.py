@@ -1,21 +1,24 @@
-"""The Ascend NPU adapter: ``torch_npu`` registers ``torch.npu``; collectives use HCCL.
+"""The Ascend NPU adapter: ``torch_npu`` registers the ``npu`` device and ``torch.npu``; HCCL.
 
-torch_npu mirrors the torch.cuda API (devices, streams, events, caching allocator,
-``default_generators``), so the base class's delegation to ``torch.npu`` covers almost
-everything. What differs: the backend is ``hccl``, float64 is not dependable (only the
-newest chips compute it natively), and there is no NVTX (profiling ranges are no-ops).
+torch_npu is a PrivateUse1 device with a torch.cuda-like module, so the generic adapter
+covers devices, streams, RNG and memory. What differs, and is all this file holds: the
+names, float64 (not dependable: only the newest chips compute it natively), and what
+HCCL lacks (no bitwise reductions, no PREMUL_SUM).
 
 Not run on Ascend hardware by this project: tested against ``tests/fakes/fake_torch_npu.py``.
 """
 
 from __future__ import annotations
 
-from portspeed.accelerator import Accelerator
+import torch.distributed as dist
+
+from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
+from portspeed.capabilities import BITWISE_OPS, BackendGaps
 
 __all__ = ["NpuAccelerator"]
 
 
-class NpuAccelerator(Accelerator):
+class NpuAccelerator(PrivateUse1Accelerator):
     """Huawei Ascend through torch_npu (``pip install torch-npu``) with HCCL."""
 
     name = "npu"
@@ -23,15 +26,12 @@ class NpuAccelerator(Accelerator):
     backend = "hccl"
     vendor_modules = ("torch_npu",)
     vendor_package = "torch-npu"
-    verified_on_hardware = False
+    backend_gaps = BackendGaps(
+        unsupported_ops=(*BITWISE_OPS, dist.ReduceOp.PREMUL_SUM),
+        note="HCCL (Ascend) per vendor documentation, not run on hardware here",
+    )
 
     def is_fp64_supported(self) -> bool:
         # Ascend 910A/910B run most float64 kernels through AI-CPU fallbacks or not at all;
         # answering False keeps loss-parity tests from relying on it.
         return False
-
-    def range_push(self, msg: str) -> None:
-        pass
-
-    def range_pop(self) -> None:
-        pass

@@ -1,11 +1,14 @@
 """The Intel GPU adapter: native ``torch.xpu``; collectives use XCCL, or oneCCL's ``ccl``.
 
-torch.xpu ships with torch and follows the torch.cuda API, so there is no vendor
-package to import for the device itself. The collective backend is chosen at run time:
+torch.xpu ships with torch and is served by ``torch.accelerator``, so the generic adapter
+covers devices, streams, RNG and memory, and there is no vendor package to import for
+the device itself. What differs: a torch build with XPU is required, and the collective
+backend is chosen at run time:
 ``xccl`` when this torch's c10d has it (torch 2.8+ XPU builds), else ``ccl`` when
 ``oneccl_bindings_for_pytorch`` imports (it registers ``ccl`` on import), else ``xccl``
 so that process-group creation fails with torch's own message.
 float64 exists only on GPUs whose properties say ``has_fp64`` (Arc and some iGPUs lack it).
+Both backends are oneCCL and share one declaration of what it lacks.
 
 Not run on Intel hardware by this project: tested against ``tests/fakes/fake_torch_xpu.py``.
 """
@@ -16,8 +19,10 @@ import importlib
 import logging
 
 import torch
+import torch.distributed as dist
 
-from portspeed.accelerator import Accelerator
+from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
+from portspeed.capabilities import BITWISE_OPS, BackendGaps
 from portspeed.errors import MissingVendorPackageError
 
 __all__ = ["XpuAccelerator"]
@@ -26,8 +31,6 @@ log = logging.getLogger("portspeed.adapters.xpu")
 
 
 def _c10d_has_xccl() -> bool:
-    import torch.distributed as dist
-
     probe = getattr(dist, "is_xccl_available", None)
     if probe is not None:
         try:
@@ -45,7 +48,7 @@ def _oneccl_imports() -> bool:
     return True
 
 
-class XpuAccelerator(Accelerator):
+class XpuAccelerator(PrivateUse1Accelerator):
     """Intel Data Center / Arc GPUs through native torch.xpu with XCCL (or oneCCL's ``ccl``)."""
 
     name = "xpu"
@@ -53,7 +56,10 @@ class XpuAccelerator(Accelerator):
     backend = "xccl"
     vendor_modules = ()
     vendor_package = "torch (XPU build)"
-    verified_on_hardware = False
+    backend_gaps = BackendGaps(
+        unsupported_ops=(dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM, *BITWISE_OPS),
+        note="oneCCL: AVG only with recent releases (rewritten to be safe), no bitwise; per vendor documentation",
+    )
 
     @classmethod
     def load_vendor(cls) -> None:
@@ -67,14 +73,6 @@ class XpuAccelerator(Accelerator):
                 "or pick another adapter with PORTSPEED_ACCELERATOR (see `portspeed info`)"
             )
 
-    @classmethod
-    def detect(cls) -> bool:
-        xpu = getattr(torch, "xpu", None)
-        try:
-            return bool(xpu is not None and xpu.is_available())
-        except Exception:
-            return False
-
     @property
     def communication_backend(self) -> str:
         """PORTSPEED_BACKEND, else xccl when c10d has it, else ccl when oneCCL imports (decided once)."""
@@ -84,6 +82,10 @@ class XpuAccelerator(Accelerator):
         if resolved is None:
             resolved = self.__dict__["_resolved_backend"] = self._resolve_backend()
         return resolved
+
+    def owns_backend(self, backend: str) -> bool:
+        """xccl and oneCCL's ccl are one library: the declared gaps apply to both."""
+        return backend.lower() in ("xccl", "ccl")
 
     @staticmethod
     def _resolve_backend() -> str:
@@ -102,9 +104,3 @@ class XpuAccelerator(Accelerator):
             return bool(getattr(self.module.get_device_properties(self.current_device()), "has_fp64", True))
         except Exception:
             return False
-
-    def range_push(self, msg: str) -> None:
-        pass
-
-    def range_pop(self) -> None:
-        pass

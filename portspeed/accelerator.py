@@ -27,12 +27,15 @@ import importlib.util
 import logging
 import sys
 import threading
-from typing import Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 
 from . import config
 from .errors import ConfigError, MissingVendorPackageError, UnknownAcceleratorError
+
+if TYPE_CHECKING:
+    from .capabilities import BackendGaps, Capabilities
 
 __all__ = [
     "Accelerator",
@@ -71,8 +74,10 @@ class Accelerator:
 
     Subclasses set ``name``, ``device_type``, ``backend`` and, for vendor devices,
     ``vendor_modules`` (import names that must load) and ``vendor_package`` (what to pip
-    install). Methods have working defaults that delegate to ``torch.<device_type>``.
-    ``device()`` never returns None.
+    install), and declare what their backend lacks in ``backend_gaps``. Methods have
+    working defaults that delegate to ``torch.<device_type>``; out-of-tree devices
+    subclass ``portspeed.adapters.privateuse1.PrivateUse1Accelerator`` instead, which goes
+    through ``torch.accelerator``. ``device()`` never returns None.
     """
 
     name: ClassVar[str] = ""
@@ -82,6 +87,9 @@ class Accelerator:
     vendor_package: ClassVar[str | None] = None
     #: True for adapters whose hardware has been run in this project's own tests.
     verified_on_hardware: ClassVar[bool] = False
+    #: What this adapter's own collective backend lacks (None: nothing beyond the built-in
+    #: defaults of ``portspeed.capabilities``); the router rewrites what is listed.
+    backend_gaps: ClassVar[BackendGaps | None] = None
 
     def __init__(self, backend: str | None = None) -> None:
         self._backend_override = backend
@@ -258,12 +266,27 @@ class Accelerator:
             nvtx.range_pop()
 
     # -- collectives --------------------------------------------------------------
-    def capabilities(self) -> Any:
-        """The capability table of this adapter's backend for the installed torch."""
+    @classmethod
+    def default_backend(cls) -> str:
+        """The backend this adapter uses when PORTSPEED_BACKEND does not override it."""
+        return cls.backend
+
+    def owns_backend(self, backend: str) -> bool:
+        """Whether ``backend`` is this adapter's own, the one ``backend_gaps`` describes."""
+        return backend.lower() == self.default_backend().lower()
+
+    def capabilities(self, backend: str | None = None) -> Capabilities:
+        """What ``backend`` (default: this adapter's) lacks: the router's table for its groups.
+
+        The built-in defaults (``capabilities_for``: Gloo by torch release, NCCL), plus
+        ``backend_gaps`` when ``backend`` is this adapter's own.
+        """
         from .capabilities import capabilities_for
 
-        # device_type separates backends sharing a name (hccl: Ascend on npu, Habana on hpu)
-        return capabilities_for(self.communication_backend, device_type=self.device_type)
+        name = (backend or self.communication_backend).lower()
+        if self.backend_gaps is not None and self.owns_backend(name):
+            return self.backend_gaps.capabilities(name, adapter=self.name)
+        return capabilities_for(name)
 
     def describe(self) -> dict[str, Any]:
         """A summary for `portspeed info` and loss records."""
@@ -414,8 +437,3 @@ def reset_accelerator() -> None:
 def selection_reason() -> str:
     """Why the active adapter was chosen ('' before selection)."""
     return _reason
-
-
-@contextlib.contextmanager
-def null_context() -> Iterator[None]:
-    yield

@@ -1,30 +1,32 @@
-"""Per-backend collective capability tables, by torch version: what each backend lacks or gets wrong.
+"""Collective capability records: what a backend lacks or gets wrong, and how an adapter declares it.
 
 Contract
-- ``capabilities_for(backend, torch_version=None, device_type=None)`` returns a frozen
-  ``Capabilities`` record listing ``Gap`` entries: a (collective, reduce op, dtype)
+- ``Capabilities`` is a frozen record of ``Gap`` entries: a (collective, reduce op, dtype)
   combination the backend either **raises** on or silently computes **wrong**. Anything
   not listed is taken to work, and the router sends it straight through.
-- ``Capabilities.gap(collective, op, dtype)`` answers for one call; it is what the router
-  asks on every collective, so it is a dict lookup and a short loop.
+  ``Capabilities.gap(collective, op, dtype)`` answers for one call (a dict lookup and a
+  short loop; the router resolves one record per group and caches it).
+- ``BackendGaps`` is how an adapter says what its own collective library lacks, in a few
+  lines (``Accelerator.backend_gaps``); ``BackendGaps.capabilities(backend)`` turns it into
+  a record. The router asks the active adapter (``Accelerator.capabilities(backend)``),
+  never this module, for a group's record.
+- ``capabilities_for(backend, torch_version=None)`` holds the defaults the base adapter
+  returns: the tables of torch's own backends, Gloo by torch release and NCCL (no gaps).
+  Any other name gets an empty record with a note, so its calls go straight through
+  unless its adapter declares gaps.
 - Collective names are torch.distributed's public function names (``all_reduce``,
   ``reduce_scatter_tensor``, ``all_to_all``...). Ops are ``ReduceOp.RedOpType`` members.
 
 Sources: the Gloo table was value-checked on torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0,
 2.11.0, 2.12.0 and 2.13.0 with 2-3 ranks (docs/reference notes, pytorch#149781 and
-#149869). The vendor rows come from vendor documentation and source reading, not from
-hardware runs (we have none); they err on the side of rewriting, which is always
-correct and only costs time. ``standin`` is portspeed's own test backend
-(``portspeed.testing.standin_ccl``) and lists the gaps it raises on purpose.
-
-Limits: a backend without a table (``ucc``, ``mpi``, third-party names) gets an empty
-record with a note, so its calls go straight through. Torch versions outside 2.6-2.13
-use the nearest checked row, and the record's notes say so.
+#149869). Vendor declarations live in the vendor adapters (``portspeed.adapters``).
+Torch versions outside 2.6-2.13 use the nearest checked row, and the record's notes say so.
 
 Example::
 
     caps = capabilities_for("gloo", torch_version="2.7.1")
     caps.gap("all_reduce", dist.ReduceOp.AVG, torch.float32).effect   # 'raises'
+    BackendGaps(unsupported_ops=[dist.ReduceOp.AVG]).capabilities("myccl").gap("reduce", dist.ReduceOp.AVG)
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ from packaging.version import InvalidVersion, Version
 from .errors import UnknownBackendError
 
 __all__ = [
+    "BackendGaps",
     "Capabilities",
     "Gap",
     "KNOWN_BACKENDS",
     "REDUCING_COLLECTIVES",
+    "ROUTED_COLLECTIVES",
     "TABLED_BACKENDS",
     "CHECKED_TORCH",
     "capabilities_for",
@@ -71,6 +75,8 @@ CHECKED_TORCH = (Version("2.6"), Version("2.13.99"))
 
 #: Collectives that take a reduce op.
 REDUCING_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+#: Collectives the router can rewrite, so the only ones a gap may name.
+ROUTED_COLLECTIVES = REDUCING_COLLECTIVES + ("all_to_all",)
 
 Effect = Literal["raises", "wrong"]
 RedOpType = dist.ReduceOp.RedOpType
@@ -173,6 +179,88 @@ class Capabilities:
         return [g.as_dict() for g in self.gaps]
 
 
+#: The bitwise reduce ops, which many accelerator CCLs lack.
+BITWISE_OPS = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
+
+
+def _pairs(value: Iterable[Any], field: str) -> tuple[tuple[str, torch.dtype], ...]:
+    out = []
+    for pair in value:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], torch.dtype)):
+            raise TypeError(f"BackendGaps.{field} takes (collective, torch.dtype) pairs, got {pair!r}; "
+                            "e.g. ('reduce_scatter_tensor', torch.bfloat16)")
+        out.append((_collective(pair[0], field), pair[1]))
+    return tuple(out)
+
+
+def _collective(name: Any, field: str) -> str:
+    if name not in ROUTED_COLLECTIVES:
+        raise ValueError(f"BackendGaps.{field}: {name!r} is not a collective the router can rewrite; "
+                         f"name one of {', '.join(ROUTED_COLLECTIVES)} (other collectives must work as they are)")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendGaps:
+    """What an adapter's collective library lacks, declared in a few lines (``Accelerator.backend_gaps``).
+
+    Why a declaration and not code: the router rewrites each listed case into calls the
+    library does right (AVG as SUM then divide, a missing dtype in float32, a missing
+    collective through another), so an adapter only has to say what is missing.
+
+    - ``unsupported_ops``: reduce ops every reducing collective refuses (``ReduceOp.AVG``...);
+    - ``unsupported_dtypes``: ``(collective, dtype)`` pairs the library refuses;
+    - ``unsupported_collectives``: collectives it lacks for every op and dtype;
+    - ``wrong_dtypes``: ``(collective, dtype)`` pairs it accepts but computes wrongly (for
+      example float64 narrowed to float32): the router refuses these loudly;
+    - ``note``: where the knowledge comes from, shown by ``portspeed info``.
+
+    Collectives are named as in ``ROUTED_COLLECTIVES``; anything else raises, as the router
+    could not rewrite it. Lists are accepted and stored as tuples.
+    """
+
+    unsupported_ops: tuple[Any, ...] = ()
+    unsupported_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    unsupported_collectives: tuple[str, ...] = ()
+    wrong_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    note: str = "declared by the adapter"
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "unsupported_ops", tuple(op_type(o) for o in self.unsupported_ops))
+        set_(self, "unsupported_dtypes", _pairs(self.unsupported_dtypes, "unsupported_dtypes"))
+        set_(self, "wrong_dtypes", _pairs(self.wrong_dtypes, "wrong_dtypes"))
+        if isinstance(self.unsupported_collectives, str):
+            raise TypeError("BackendGaps.unsupported_collectives takes a sequence of names, not one string "
+                            f"({self.unsupported_collectives!r}); write ({self.unsupported_collectives!r},)")
+        set_(self, "unsupported_collectives",
+             tuple(_collective(c, "unsupported_collectives") for c in self.unsupported_collectives))
+
+    def gaps(self) -> tuple[Gap, ...]:
+        """The declaration as Gap rows."""
+        n = self.note
+        return tuple(
+            [Gap(c, "raises", f"{n} (no {op.name})", op) for op in self.unsupported_ops for c in REDUCING_COLLECTIVES]
+            + [Gap(c, "raises", f"{n} (no {str(dt)[6:]} {c})", dtype=dt) for c, dt in self.unsupported_dtypes]
+            + [Gap(c, "raises", f"{n} (no {c})") for c in self.unsupported_collectives]
+            + [Gap(c, "wrong", f"{n} ({str(dt)[6:]} {c} computed wrongly)", dtype=dt) for c, dt in self.wrong_dtypes]
+        )
+
+    def capabilities(self, backend: str, torch_version: str | None = None, adapter: str = "") -> Capabilities:
+        """The record of ``backend``: its built-in table (if torch's own) plus these gaps."""
+        return _declared(self, backend.lower(), torch_version, adapter)
+
+
+@functools.lru_cache(maxsize=64)
+def _declared(gaps: BackendGaps, backend: str, torch_version: str | None, adapter: str) -> Capabilities:
+    base = capabilities_for(backend, torch_version)
+    who = f"the {adapter!r} adapter" if adapter else "its adapter"
+    notes = tuple(n for n in base.notes if "no capability table" not in n)
+    notes += (f"gaps declared by {who}: {gaps.note}",)
+    return Capabilities(backend=backend, torch_version=base.torch_version, gaps=base.gaps + gaps.gaps(),
+                        notes=notes)
+
+
 # ---------------------------------------------------------------------- tables
 def _gaps(collectives: Iterable[str], effect: Effect, note: str, ops: Iterable[Any] = (None,),
           dtypes: Iterable[torch.dtype | None] = (None,)) -> list[Gap]:
@@ -199,67 +287,18 @@ def _gloo(v: Version) -> list[Gap]:
     return out
 
 
-def _standin(v: Version) -> list[Gap]:
-    note = "stand-in backend declares this gap on purpose, like a vendor CCL"
-    return (
-        _gaps(REDUCING_COLLECTIVES, "raises", note + " (no AVG)", ops=[RedOpType.AVG])
-        + _gaps(REDUCING_COLLECTIVES, "raises", note + " (no PREMUL_SUM)", ops=[RedOpType.PREMUL_SUM])
-        + _gaps(["reduce_scatter", "reduce_scatter_tensor"], "raises", note + " (no bf16 reduce_scatter)",
-                dtypes=[torch.bfloat16])
-        + _gaps(["all_to_all"], "raises", note + " (no list all_to_all)")
-    )
-
-
-_BITWISE = [RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR]
-_VENDOR_NOTE = "from vendor documentation, not run on hardware here"
-
-
-def _hccl_npu(v: Version) -> list[Gap]:
-    return _gaps(REDUCING_COLLECTIVES, "raises", f"HCCL (Ascend) has no bitwise reductions; {_VENDOR_NOTE}",
-                 ops=_BITWISE + [RedOpType.PREMUL_SUM])
-
-
-def _hccl_hpu(v: Version) -> list[Gap]:
-    return _gaps(REDUCING_COLLECTIVES, "raises", f"HCCL (Habana) has no PRODUCT/AVG/bitwise; {_VENDOR_NOTE}",
-                 ops=[RedOpType.PRODUCT, RedOpType.AVG, RedOpType.PREMUL_SUM] + _BITWISE)
-
-
-def _xccl(v: Version) -> list[Gap]:
-    return _gaps(REDUCING_COLLECTIVES, "raises",
-                 f"oneCCL: AVG only with recent releases (rewritten to be safe), no bitwise; {_VENDOR_NOTE}",
-                 ops=[RedOpType.AVG, RedOpType.PREMUL_SUM] + _BITWISE)
-
-
-def _cncl(v: Version) -> list[Gap]:
-    return (_gaps(REDUCING_COLLECTIVES, "raises", f"CNCL has no AVG/bitwise; {_VENDOR_NOTE}",
-                  ops=[RedOpType.AVG, RedOpType.PREMUL_SUM] + _BITWISE)
-            + _gaps(REDUCING_COLLECTIVES, "wrong", f"CNCL maps float64 to float32 silently; {_VENDOR_NOTE}",
-                    dtypes=[torch.float64]))
-
-
-def _mccl(v: Version) -> list[Gap]:
-    return _gaps(REDUCING_COLLECTIVES, "raises", f"MCCL supports bf16 only in some builds (upcast to be safe); "
-                 f"{_VENDOR_NOTE}", dtypes=[torch.bfloat16])
-
-
 def _nccl(v: Version) -> list[Gap]:
     return []
 
 
+#: The built-in tables, the defaults an adapter gets for these backends (torch's own).
 _TABLES = {
     "gloo": _gloo,
-    "standin": _standin,
     "nccl": _nccl,
-    "hccl": _hccl_npu,
-    "hccl@hpu": _hccl_hpu,
-    "xccl": _xccl,
-    "ccl": _xccl,
-    "cncl": _cncl,
-    "mccl": _mccl,
 }
 
-#: Backends with a table (others go straight through).
-TABLED_BACKENDS = frozenset(k for k in _TABLES if "@" not in k)
+#: Backends with a built-in table (others go straight through unless their adapter declares gaps).
+TABLED_BACKENDS = frozenset(_TABLES)
 
 
 def check_backend_name(name: str) -> None:
@@ -286,23 +325,27 @@ def _torch_version(text: str | None) -> Version:
         raise ValueError(f"torch version {raw!r} is not a PEP 440 version; pass something like '2.13.0'") from None
 
 
-@functools.lru_cache(maxsize=64)
-def capabilities_for(backend: str, torch_version: str | None = None, device_type: str | None = None) -> Capabilities:
-    """The capability record of ``backend`` on ``torch_version`` (default: the installed torch).
+def _checked_version(torch_version: str | None) -> tuple[Version, list[str]]:
+    v = _torch_version(torch_version)
+    lo, hi = CHECKED_TORCH
+    if lo <= v <= hi:
+        return v, []
+    note = f"torch {v} is outside the checked range 2.6-2.13; the nearest checked row is used"
+    return (lo if v < lo else Version("2.13")), [note]
 
-    ``device_type`` separates backends that share a name (``hccl`` is Ascend's on ``npu``
-    and Habana's on ``hpu``).
+
+@functools.lru_cache(maxsize=64)
+def capabilities_for(backend: str, torch_version: str | None = None) -> Capabilities:
+    """The built-in record of ``backend`` on ``torch_version`` (default: the installed torch).
+
+    Only torch's own backends have tables here; an adapter's ``capabilities()`` adds what
+    it declares for its own backend.
     """
     name = backend.lower()
-    v = _torch_version(torch_version)
-    notes: list[str] = []
-    lo, hi = CHECKED_TORCH
-    if not (lo <= v <= hi):
-        notes.append(f"torch {v} is outside the checked range 2.6-2.13; the nearest checked row is used")
-        v = lo if v < lo else Version("2.13")
-    key = f"{name}@{device_type}" if f"{name}@{device_type}" in _TABLES else name
-    table = _TABLES.get(key)
+    v, notes = _checked_version(torch_version)
+    table = _TABLES.get(name)
     if table is None:
-        notes.append(f"no capability table for backend {backend!r}: its collectives go straight through")
+        notes.append(f"no capability table for backend {backend!r} and no gaps declared by its adapter: "
+                     "its collectives go straight through")
         return Capabilities(backend=name, torch_version=str(v), notes=tuple(notes))
     return Capabilities(backend=name, torch_version=str(v), gaps=tuple(table(v)), notes=tuple(notes))

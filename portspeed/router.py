@@ -15,7 +15,10 @@ Contract
   name. ``real_backend(group)`` always gives the real one.
 - **Rewrites.** ``all_reduce``, ``reduce``, ``reduce_scatter``, ``reduce_scatter_tensor``
   (and torch 2.13's ``reduce_scatter_single``) and ``all_to_all`` ask the group's
-  capability table (``portspeed.capabilities``) about (collective, op, dtype); collectives
+  capability table about (collective, op, dtype). The table is the active adapter's
+  answer for the group's real backend (``Accelerator.capabilities(backend)``: torch's own
+  backends' defaults plus the gaps the adapter declares for its backend), resolved once
+  per group and cached; collectives
   no table lists a gap for (all_gather, broadcast, p2p...) are not wrapped at all. No gap:
   the original gets the caller's own arguments (hot path: the wrapper checks the op's
   identity and the dtype against small sets cached per group). A gap: the call is rewritten into collectives the backend
@@ -263,24 +266,19 @@ def wrap_destroy_process_group(wrapped: Callable, instance: Any, args: tuple, kw
 
 # ---------------------------------------------------------------------- capabilities per group
 def _resolve_caps(group: Any) -> Any:
+    """The record for ``group``, asked of the active adapter once (then cached in _CAPS)."""
     try:
         real = real_backend(group)
     except (ValueError, RuntimeError):
         return capabilities_for("unknown")  # not a member: torch itself returns early
+    acc = _accelerator()
     if ":" not in real:
-        return capabilities_for(real, None, _device_of(real))
+        return acc.capabilities(real)
     table = {}
     for part in real.split(","):
         dev, _, name = part.partition(":")
-        table[dev.strip()] = capabilities_for(name.strip(), None, dev.strip())
+        table[dev.strip()] = acc.capabilities(name.strip())
     return table
-
-
-def _device_of(backend: str) -> str | None:
-    try:
-        return _accelerator().device_type
-    except Exception:  # selection problems surface elsewhere; tables only need a hint
-        return KNOWN_BACKENDS.get(backend)
 
 
 def capabilities_of(group: Any = None, device_type: str = "cpu") -> Capabilities:

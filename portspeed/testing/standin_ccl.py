@@ -14,7 +14,8 @@ Contract
   broadcast is a chain from the root; all_to_all_single is pairwise exchange.
 - Declared gaps, which really raise ``RuntimeError`` (so the router must rewrite them):
   ReduceOp.AVG and PREMUL_SUM in every reducing collective, bfloat16 in reduce_scatter
-  (list and tensor), and the list all_to_all. ``portspeed.capabilities`` lists the same.
+  (list and tensor), and the list all_to_all. ``StandinAccelerator.backend_gaps`` declares
+  the same, as a third-party adapter would, and the router reads it from there.
 - Collectives run synchronously and return completed work objects; send/recv return the
   inner Gloo work (truly asynchronous), so batch_isend_irecv and pipeline p2p behave.
 - ``StandinAccelerator`` is the CPU adapter with backend ``"standin"``; ``detect()`` is
@@ -42,7 +43,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from portspeed.adapters.cpu import CpuAccelerator
-from portspeed.capabilities import op_type
+from portspeed.capabilities import BackendGaps, op_type
 
 __all__ = ["BACKEND_NAME", "StandinAccelerator", "StandinProcessGroup", "register"]
 
@@ -326,6 +327,12 @@ class StandinAccelerator(CpuAccelerator):
     name = "standin"
     backend = BACKEND_NAME
     verified_on_hardware = False
+    backend_gaps = BackendGaps(
+        unsupported_ops=(RedOpType.AVG, RedOpType.PREMUL_SUM),
+        unsupported_dtypes=(("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)),
+        unsupported_collectives=("all_to_all",),
+        note="stand-in backend declares this gap on purpose, like a vendor CCL",
+    )
 
     @classmethod
     def detect(cls) -> bool:

@@ -250,6 +250,7 @@ def install_modules(modules: dict[str, types.ModuleType], torch_attrs: dict[str,
     sys.modules.update(modules)
     for k, v in torch_attrs.items():
         setattr(torch, k, v)
+    torch.get_device_module.cache_clear()  # it caches per name; a vendor registers once, a fake comes and goes
 
     def undo() -> None:
         for k, v in saved_mods.items():
@@ -262,6 +263,7 @@ def install_modules(modules: dict[str, types.ModuleType], torch_attrs: dict[str,
                 delattr(torch, k)
             else:
                 setattr(torch, k, v)
+        torch.get_device_module.cache_clear()
 
     return undo
 
