@@ -353,3 +353,25 @@ def test_resume_from_checkpoint_continues_the_uninterrupted_run(tmp_path: Path) 
                            tmp_path / "control.log"), "control")
     worst = max(abs(control[it] - whole[it]) for it in windows)
     assert worst > RESUME_TOLERANCE, f"with {DATA_RNG_PATCH} disabled the resume still matched (|d|={worst:.2e})"
+
+
+def test_only_scripts_of_a_megatron_lm_checkout_become_framework_modules(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """From core_v0.18 the stock script calls .cuda() itself: its checkout's top-level modules are framework code."""
+    import types
+
+    from portspeed.patches.megatron import training_script
+
+    checkout = tmp_path / "Megatron-LM"
+    (checkout / "megatron" / "training").mkdir(parents=True)
+    (checkout / "megatron" / "training" / "__init__.py").write_text("")
+    script, helper, user = checkout / "pretrain_gpt.py", checkout / "gpt_builders.py", tmp_path / "mine.py"
+    assert training_script.checkout_root(str(script)) == str(checkout)
+    assert training_script.checkout_root(str(user)) is None and training_script.checkout_root(None) is None
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+    builders = types.ModuleType("gpt_builders")
+    builders.__file__ = str(helper)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setitem(sys.modules, "gpt_builders", builders)
+    assert training_script.checkout_modules(str(checkout)) == ["__main__", "gpt_builders"]
