@@ -20,7 +20,8 @@ __all__ = [
     "Stream", "Event", "current_stream", "default_stream", "set_stream", "stream",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "mem_get_info",
-    "is_bf16_supported", "get_amp_supported_dtype", "get_device_name", "is_initialized",
+    "is_bf16_supported", "get_amp_supported_dtype", "get_device_name", "get_device_properties",
+    "get_device_capability", "is_initialized",
 ]
 
 DEVICE_TYPE = "testdev"
@@ -89,6 +90,27 @@ def synchronize(dev: Any = None) -> None:
 
 def get_device_name(dev: Any = None) -> str:
     return f"portspeed test device {_index(dev)} (a test device, not hardware)"
+
+
+class _DeviceProperties:
+    """What torch.cuda.get_device_properties answers, for the test device (nominal figures)."""
+
+    def __init__(self, index: int) -> None:
+        self.name = get_device_name(index)
+        self.total_memory = 16 << 30  # nominal, as mem_get_info reports
+        self.major, self.minor = 0, 0  # no compute capability: not a CUDA device
+        self.multi_processor_count = 1
+
+    def __repr__(self) -> str:
+        return f"_DeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
+
+
+def get_device_properties(dev: Any = None) -> _DeviceProperties:
+    return _DeviceProperties(_index(dev))
+
+
+def get_device_capability(dev: Any = None) -> tuple[int, int]:
+    return (0, 0)
 
 
 # ---- random numbers: one generator per device, separate from the host's
