@@ -1,5 +1,11 @@
 """One conformance suite over every built-in adapter: cpu for real, cuda when a GPU exists,
-each vendor adapter against its FAKE vendor module (tests/fakes).
+each vendor adapter against its FAKE vendor module (tests/fakes), and the generic
+PrivateUse1Accelerator on the test device (a real PrivateUse1 device, portspeed.testing.testdev)
+and on a fake device module.
+
+The fakes answer exactly what an adapter asks, so they only check vendor-specific API
+names and the generic adapter's device-module path; device semantics are checked on the
+test device.
 
 npu, mlu and musa are out-of-tree devices: their vendor packages rename torch's
 PrivateUse1 device so that ``torch.device('npu', 0)`` parses, which torch allows once
@@ -32,8 +38,9 @@ from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, 
 
 from portspeed import config  # noqa: E402
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
+from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator  # noqa: E402
 from portspeed.capabilities import check_backend_name  # noqa: E402
-from portspeed.errors import MissingVendorPackageError  # noqa: E402
+from portspeed.errors import MissingVendorPackageError, UnknownBackendError, UnsupportedCudaCallError  # noqa: E402
 
 ADAPTERS = ("cpu", "cuda", "npu", "xpu", "mlu", "musa", "hpu")
 #: adapters whose fake needs a PrivateUse1 rename, so a process of their own
@@ -59,6 +66,10 @@ def _expected(name: str) -> dict[str, Any]:
         "mlu": dict(device_type="mlu", backend="cncl", bf16=True, fp16=True, fp64=False, verified=False),
         "musa": dict(device_type="musa", backend="mccl", bf16=True, fp16=True, fp64=True, verified=False),
         "hpu": dict(device_type="hpu", backend="hccl", bf16=True, fp16=True, fp64=False, verified=False),
+        # the generic adapter with names only: the backend is what torch has registered for the device type
+        "generic-xpu": dict(device_type="xpu", backend="xccl", bf16=True, fp16=True, fp64=True, verified=False),
+        "generic-testdev": dict(device_type="testdev", backend="testccl", bf16=True, fp16=True, fp64=True,
+                                verified=False),
     }
     return table[name]
 
@@ -73,7 +84,7 @@ def _count(acc: Accelerator) -> int:
 
 
 def check_identity(acc: Accelerator, state: Any, exp: dict) -> None:
-    assert acc.name in BUILTIN_ADAPTERS
+    assert acc.name and (acc.name not in BUILTIN_ADAPTERS or adapter_class(acc.name) is type(acc))
     assert acc.device_type == exp["device_type"]
     d = acc.describe()
     assert d["name"] == acc.name and d["device_type"] == acc.device_type
@@ -258,18 +269,23 @@ def adapter_under_test(name: str, register_device: bool = False) -> Iterator[tup
         yield cls(), state
 
 
+def _run_checks(acc: Accelerator, state: Any, exp: dict) -> dict[str, str]:
+    """Every check on ``acc``; {check name: 'ok' or the failure text}."""
+    out: dict[str, str] = {}
+    for check in CHECKS:
+        try:
+            with torch.random.fork_rng(devices=[]):
+                check(acc, state, exp)
+            out[check.__name__] = "ok"
+        except Exception:
+            out[check.__name__] = traceback.format_exc()
+    return out
+
+
 def _run_checks_here(name: str, register_device: bool) -> dict[str, str]:
     """Run every check on adapter ``name``; {check name: 'ok' or the failure text}."""
-    out: dict[str, str] = {}
     with adapter_under_test(name, register_device=register_device) as (acc, state):
-        for check in CHECKS:
-            try:
-                with torch.random.fork_rng(devices=[]):
-                    check(acc, state, _expected(name))
-                out[check.__name__] = "ok"
-            except Exception:
-                out[check.__name__] = traceback.format_exc()
-    return out
+        return _run_checks(acc, state, _expected(name))
 
 
 def _child_main(name: str) -> None:
@@ -441,3 +457,128 @@ def test_fakes_leave_nothing_behind() -> None:
         else:
             assert not hasattr(torch, name), name
     assert not any(m.split(".")[0] in ("torch_npu", "torch_mlu", "torch_musa", "habana_frameworks") for m in sys.modules)
+
+
+# ----------------------------------------------------------------------------- the generic adapter
+class GenericXpu(PrivateUse1Accelerator):
+    """What a vendor writes for a device torch knows: names only (the backend is torch's registration)."""
+
+    name = "generic-xpu"
+    device_type = "xpu"
+
+
+class GenericTestdev(PrivateUse1Accelerator):
+    """The generic adapter on portspeed's test device, with names only, as a third party would write it."""
+
+    name = "generic-testdev"
+    device_type = "testdev"
+    vendor_modules = ("portspeed.testing.testdev",)
+    auto_detect = False
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_generic_adapter_through_a_device_module(check: Callable[[Accelerator, Any, dict], None]) -> None:
+    """Where torch.accelerator does not serve the device, the generic adapter works through its device module."""
+    with fake_torch_xpu.installed() as state, torch.random.fork_rng(devices=[]):
+        acc = GenericXpu()
+        assert acc._runtime() is False, "this CPU torch's torch.accelerator cannot serve xpu"
+        check(acc, state, _expected("generic-xpu"))
+
+
+def _child_main_testdev() -> None:
+    """Child process: the test device registered, the generic adapter run through every check."""
+    import portspeed.testing.testdev  # noqa: F401 - registers the device, as a vendor package does
+
+    GenericTestdev.load_vendor()
+    acc = GenericTestdev()
+    out = _run_checks(acc, None, _expected("generic-testdev"))
+    try:  # what only a device served by torch.accelerator shows
+        assert acc._runtime() and acc._accelerator_memory(), "torch.accelerator does not serve the test device"
+        assert type(acc.Stream()) is torch.Stream and type(acc.Event()) is torch.Event
+        acc.set_device(0)
+        other = acc.Stream(device=1)
+        with acc.stream(other):
+            assert acc.current_stream(1) == other and acc.current_device() == 1
+        assert acc.current_device() == 0, "the stream block must give back the current device"
+        assert acc.current_stream(1) != other
+        x = torch.ones(1024, device=acc.device())
+        assert acc.memory_allocated() >= x.numel() * 4, "memory must come from the device's allocator"
+        assert GenericTestdev.detect() is False, "auto_detect = False: chosen by name only"
+        out["torch_accelerator_path"] = "ok"
+    except Exception:
+        out["torch_accelerator_path"] = traceback.format_exc()
+    print("PORTSPEED_CONFORMANCE " + json.dumps(out))
+
+
+@functools.lru_cache(maxsize=None)
+def _testdev_results() -> dict[str, str]:
+    code = f"import sys; sys.path.insert(0, {str(_HERE)!r}); import test_adapters; test_adapters._child_main_testdev()"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTSPEED_ACCELERATOR": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=str(_HERE))
+    for line in proc.stdout.splitlines():
+        if line.startswith("PORTSPEED_CONFORMANCE "):
+            return json.loads(line.split(" ", 1)[1])
+    raise AssertionError(f"test-device conformance child exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+
+
+@pytest.mark.testdev
+@pytest.mark.parametrize("check", [c.__name__ for c in CHECKS] + ["torch_accelerator_path"],
+                         ids=lambda c: c.removeprefix("check_"))
+def test_generic_adapter_conformance_on_the_test_device(check: str) -> None:
+    """The generic adapter, given only names, passes every check on a real PrivateUse1 device (the test device)."""
+    result = _testdev_results()[check]
+    if result != "ok":
+        pytest.fail(f"generic adapter on the test device: {result}")
+
+
+def test_generic_backend_is_what_torch_has_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no backend named, the adapter uses the vendor's registration; without one it says what to do."""
+    import torch.distributed as dist
+
+    monkeypatch.setitem(dist.Backend.default_device_backend_map, "xpu", "acmeccl")
+    assert GenericXpu().communication_backend == "acmeccl"
+    assert GenericXpu(backend="gloo").communication_backend == "gloo"
+    monkeypatch.delitem(dist.Backend.default_device_backend_map, "xpu")
+    with pytest.raises(UnknownBackendError, match="'xpu'.*PORTSPEED_BACKEND"):
+        GenericXpu().communication_backend
+    assert "backend=None" in repr(GenericXpu())
+
+
+def test_generic_detection_follows_the_device_unless_auto_detect_is_off() -> None:
+    """detect(): True with a device, False without one, and always False when auto_detect is False."""
+
+    class NeverDetected(GenericXpu):
+        auto_detect = False
+
+    with fake_torch_xpu.installed():
+        assert GenericXpu.detect() is True and NeverDetected.detect() is False
+    with fake_torch_xpu.installed(available=False):
+        assert GenericXpu.detect() is False
+
+
+def test_generic_rng_without_generator_objects_goes_through_the_module() -> None:
+    """A device module with RNG functions but no default_generators gets a ModuleGenerator view per device."""
+    with fake_torch_xpu.installed() as state:
+        del torch.xpu.default_generators
+        acc = GenericXpu()
+        g = acc.default_generator(1)
+        assert isinstance(g, ModuleGenerator) and g.device == torch.device("xpu", 1)
+        g.manual_seed(5)
+        assert state.generators[1].initial_seed() == 5 and state.generators[0].initial_seed() != 5
+        assert acc.current_device() == 0, "seeding device 1 must give back the current device"
+        saved = g.get_state()
+        assert torch.equal(saved, state.generators[1].get_state())
+        first = torch.rand(4, generator=state.generators[1])
+        g.set_state(saved)
+        assert torch.equal(torch.rand(4, generator=state.generators[1]), first)
+        acc.manual_seed_all(9)
+        assert [x.initial_seed() for x in state.generators] == [9, 9]
+
+
+def test_generic_call_the_device_lacks_names_it() -> None:
+    """A call neither torch.accelerator nor the device module offers raises naming the call and the adapter."""
+    with fake_torch_xpu.installed():
+        del torch.xpu.default_stream
+        with pytest.raises(UnsupportedCudaCallError, match="'generic-xpu'.*default_stream.*GenericXpu.default_stream"):
+            GenericXpu().default_stream()

@@ -1,4 +1,5 @@
-"""Capability tables: the Gloo rows per torch release, the vendor rows, the stand-in, bad names."""
+"""Capability records: the built-in Gloo rows per torch release, gaps declared by adapters (BackendGaps,
+the vendor adapters, the stand-in), bad names."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from portspeed.accelerator import adapter_class
 from portspeed.capabilities import (
     KNOWN_BACKENDS,
+    ROUTED_COLLECTIVES,
+    BackendGaps,
     Capabilities,
     Gap,
     capabilities_for,
@@ -15,13 +19,20 @@ from portspeed.capabilities import (
     op_type,
 )
 from portspeed.errors import UnknownBackendError
+from portspeed.testing.standin_ccl import StandinAccelerator
 
 R = dist.ReduceOp
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def effect(backend: str, version: str, coll: str, op=None, dtype=F32, device=None) -> str | None:
-    gap = capabilities_for(backend, version, device).gap(coll, op, dtype)
+def effect(backend: str, version: str, coll: str, op=None, dtype=F32) -> str | None:
+    gap = capabilities_for(backend, version).gap(coll, op, dtype)
+    return gap.effect if gap else None
+
+
+def declared(adapter: str, coll: str, op=None, dtype=F32) -> str | None:
+    """The effect the built-in adapter ``adapter`` declares for its own backend."""
+    gap = adapter_class(adapter)().capabilities().gap(coll, op, dtype)
     return gap.effect if gap else None
 
 
@@ -80,8 +91,9 @@ def test_gloo_sum_in_every_dtype_goes_straight_through() -> None:
 
 
 def test_standin_declares_vendor_like_gaps() -> None:
-    """The stand-in backend lacks AVG, PREMUL_SUM, bf16 reduce_scatter and the list all_to_all."""
-    caps = capabilities_for("standin")
+    """The stand-in adapter declares AVG, PREMUL_SUM, bf16 reduce_scatter and the list all_to_all."""
+    caps = StandinAccelerator().capabilities()
+    assert caps.backend == "standin"
     assert caps.gap("all_reduce", R.AVG, F32).effect == "raises"
     assert caps.gap("all_reduce", R.SUM, BF16) is None
     assert caps.gap("reduce_scatter_tensor", R.SUM, BF16).dtype is BF16
@@ -92,20 +104,79 @@ def test_standin_declares_vendor_like_gaps() -> None:
 
 def test_dtype_gaps_come_first() -> None:
     """A call with two gaps (AVG on bf16 reduce_scatter) reports the dtype gap, so the router upcasts first."""
-    gap = capabilities_for("standin").gap("reduce_scatter_tensor", R.AVG, BF16)
+    gap = StandinAccelerator().capabilities().gap("reduce_scatter_tensor", R.AVG, BF16)
     assert gap.dtype is BF16 and gap.op is None
 
 
-def test_vendor_rows() -> None:
-    """Vendor rows: HCCL (npu) has no bitwise ops; Habana HCCL no PRODUCT/AVG; CNCL float64 is wrong."""
-    assert effect("hccl", "2.13", "all_reduce", R.BOR, torch.int64) == "raises"
-    assert effect("hccl", "2.13", "all_reduce", R.AVG) is None
-    assert effect("hccl", "2.13", "all_reduce", R.PRODUCT, device="hpu") == "raises"
-    assert effect("hccl", "2.13", "all_reduce", R.AVG, device="hpu") == "raises"
-    assert effect("cncl", "2.13", "all_reduce", R.SUM, torch.float64) == "wrong"
-    assert effect("xccl", "2.13", "all_reduce", R.AVG) == "raises"
-    assert effect("mccl", "2.13", "all_reduce", R.SUM, BF16) == "raises"
+def test_vendor_adapters_declare_their_backends_gaps() -> None:
+    """HCCL (npu) has no bitwise ops; Habana HCCL no PRODUCT/AVG; CNCL float64 is wrong; oneCCL AVG; MCCL bf16."""
+    assert declared("npu", "all_reduce", R.BOR, torch.int64) == "raises"
+    assert declared("npu", "all_reduce", R.AVG) is None
+    assert declared("hpu", "all_reduce", R.PRODUCT) == "raises"
+    assert declared("hpu", "all_reduce", R.AVG) == "raises"
+    assert declared("mlu", "all_reduce", R.SUM, torch.float64) == "wrong"
+    assert declared("xpu", "all_reduce", R.AVG) == "raises"
+    assert declared("musa", "all_reduce", R.SUM, BF16) == "raises"
+    assert declared("cuda", "all_reduce", R.AVG) is None
     assert capabilities_for("nccl", "2.13").gaps == ()
+
+
+def test_vendor_rows_are_not_in_the_built_in_tables() -> None:
+    """A vendor backend's name alone says nothing (hccl is Ascend's and Habana's): its adapter decides."""
+    for name in ("hccl", "cncl", "mccl", "xccl", "standin"):
+        assert capabilities_for(name).gaps == (), name
+
+
+def test_declared_gaps_apply_to_the_adapters_own_backend_only() -> None:
+    """Overridden to Gloo (PORTSPEED_BACKEND), the npu adapter gets Gloo's table, not HCCL's gaps."""
+    npu = adapter_class("npu")
+    assert npu(backend="gloo").capabilities() == capabilities_for("gloo")
+    assert npu().capabilities("gloo") == capabilities_for("gloo")
+    assert npu().capabilities("HCCL").gap("all_reduce", R.BAND, torch.int64) is not None
+
+
+def test_xpu_declaration_covers_both_oneccl_names() -> None:
+    """xccl and oneCCL's ccl are one library: the xpu adapter's declaration answers for both."""
+    xpu = adapter_class("xpu")
+    assert xpu().capabilities("ccl").gap("all_reduce", R.AVG, F32) is not None
+    assert xpu().capabilities("xccl").gap("all_reduce", R.AVG, F32) is not None
+
+
+# ---------------------------------------------------------------------- the declaration type
+def test_backend_gaps_become_gap_rows() -> None:
+    """Each field becomes rows with the right effect; lists are accepted and stored as tuples."""
+    gaps = BackendGaps(unsupported_ops=[dist.ReduceOp(R.MAX)], unsupported_dtypes=[("all_reduce", torch.float16)],
+                       unsupported_collectives=["all_to_all"], wrong_dtypes=[("reduce", torch.float64)], note="acme")
+    assert gaps.unsupported_ops == (R.MAX,) and isinstance(gaps.unsupported_dtypes, tuple)
+    caps = gaps.capabilities("acmeccl")
+    assert caps.backend == "acmeccl" and any("acme" in n for n in caps.notes)
+    assert {c for c in ROUTED_COLLECTIVES if caps.gap(c, R.MAX, F32)} == set(ROUTED_COLLECTIVES)  # all_to_all: missing
+    assert caps.gap("all_reduce", R.SUM, torch.float16).effect == "raises"
+    assert caps.gap("reduce", R.SUM, torch.float16) is None
+    assert caps.gap("reduce", R.SUM, torch.float64).effect == "wrong"
+    assert caps.gap("all_to_all").effect == "raises"
+    assert caps.gap("all_reduce", R.SUM, F32) is None
+    assert not any("no capability table" in n for n in caps.notes)
+
+
+def test_backend_gaps_add_to_a_built_in_table() -> None:
+    """Declared on Gloo, the gaps add to Gloo's own rows (PREMUL_SUM stays a gap)."""
+    caps = BackendGaps(unsupported_ops=[R.MAX]).capabilities("gloo")
+    assert caps.gap("all_reduce", R.MAX, F32) is not None
+    assert caps.gap("all_reduce", R.PREMUL_SUM, F32) is not None
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"unsupported_collectives": ["all_gather"]}, "'all_gather' is not a collective the router can rewrite"),
+    ({"unsupported_collectives": "all_to_all"}, "not one string"),
+    ({"unsupported_dtypes": [("all_reduce", "bf16")]}, r"\(collective, torch.dtype\) pairs"),
+    ({"wrong_dtypes": [("allreduce", torch.float64)]}, "'allreduce'"),
+    ({"unsupported_ops": ["avg"]}, "'avg'"),
+])
+def test_backend_gaps_reject_what_the_router_cannot_use(kwargs: dict, match: str) -> None:
+    """A declaration naming something the router cannot rewrite fails at once, saying what to write."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        BackendGaps(**kwargs)
 
 
 def test_backend_without_table_goes_straight_through_with_a_note() -> None:

@@ -82,8 +82,8 @@ def _main(kind: str) -> int:  # noqa: C901 - one list of checks, read top to bot
     dist.init_process_group(backend=real, rank=rank, world_size=n, timeout=timeout,
                             store=dist.PrefixStore("raw", store))
 
-    # ------------------------------------------------------------------ phase 1: table vs raw backend
-    caps = capabilities_for(real)
+    # ------------------------------------------------------------------ phase 1: declared gaps vs raw backend
+    caps = portspeed.get_accelerator().capabilities()  # what the adapter tells the router
     for gap in caps.gaps if not replay else ():
         dtype = gap.dtype or torch.float32
         op = gap.op if gap.op is not None else R.SUM
@@ -137,8 +137,12 @@ def _main(kind: str) -> int:  # noqa: C901 - one list of checks, read top to bot
                             store=dist.PrefixStore("routed", store))
     if replay:
         name, _, version = replay.partition("@")
-        device = "hpu" if name == "hccl-hpu" else None
-        router.use_capabilities(capabilities_for(name.split("-")[0], version or None, device))
+        if name == "gloo":
+            router.use_capabilities(capabilities_for("gloo", version or None))
+        else:  # "hccl-hpu": the gaps the hpu adapter declares for Habana's HCCL
+            from portspeed.accelerator import adapter_class
+
+            router.use_capabilities(adapter_class(name.split("-")[1])().capabilities())
     check("get_backend reports the requested name", dist.get_backend(), "nccl")
     check("real_backend reports the real name", router.real_backend(), real)
 

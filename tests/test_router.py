@@ -18,10 +18,10 @@ from torch.distributed import distributed_c10d as c10d
 
 import portspeed
 from portspeed import config, router
-from portspeed.accelerator import Accelerator, reset_accelerator, set_accelerator
+from portspeed.accelerator import Accelerator, adapter_class, reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.adapters.cuda import CudaAccelerator
-from portspeed.capabilities import capabilities_for
+from portspeed.capabilities import BackendGaps, capabilities_for
 from portspeed.errors import CollectiveUnsupportedError, ConfigError, UnknownBackendError
 from portspeed.patches.torch_distributed import PATCHES
 from portspeed.testing.standin_ccl import StandinAccelerator
@@ -225,11 +225,69 @@ def test_avg_on_integers_raises_naming_the_dtype(routed) -> None:
 
 
 def test_float64_on_cncl_table_raises_instead_of_losing_precision(routed) -> None:
-    """CNCL maps float64 to float32 silently; the router refuses loudly rather than pass it on."""
+    """CNCL maps float64 to float32 silently (the mlu adapter declares it); the router refuses loudly."""
     _init("nccl")
-    router.use_capabilities(capabilities_for("cncl"))
+    router.use_capabilities(adapter_class("mlu")().capabilities())
     with pytest.raises(CollectiveUnsupportedError, match="float64"):
         dist.all_reduce(torch.ones(2, dtype=torch.float64))
+
+
+class DeclaringAdapter(CpuAccelerator):
+    """A third-party adapter on Gloo that declares gaps Gloo does not have, so only the
+    declaration (never Gloo itself) can make the router rewrite these calls."""
+
+    name = "declaring"
+    backend_gaps = BackendGaps(unsupported_ops=[R.MAX], unsupported_dtypes=[("all_reduce", torch.float16)],
+                               unsupported_collectives=["all_to_all"], note="test declaration")
+    asked: list = []
+
+    def capabilities(self, backend=None):
+        type(self).asked.append(backend)
+        return super().capabilities(backend)
+
+
+def test_a_third_party_adapters_declared_gaps_are_what_the_router_rewrites(routed) -> None:
+    """The router asks the active adapter, once per group, and rewrites exactly what it declares."""
+    DeclaringAdapter.asked = []
+    set_accelerator(DeclaringAdapter())
+    _init("nccl")
+    x = torch.arange(4.0)
+    dist.all_reduce(x, op=R.MAX)
+    dist.all_reduce(x, op=R.SUM)
+    h = torch.ones(3, dtype=torch.float16)
+    dist.all_reduce(h)
+    outs = [torch.empty(2)]
+    dist.all_to_all(outs, [torch.arange(2.0)])
+    assert torch.equal(x, torch.arange(4.0)) and torch.equal(h, torch.ones(3, dtype=torch.float16))
+    assert torch.equal(outs[0], torch.arange(2.0))
+    assert router.stats() == {
+        "all_reduce": {"rewrites": 2, "by": {"via_all_gather": 1, "upcast": 1}},
+        "all_to_all": {"rewrites": 1, "by": {"via_all_to_all_single": 1}},
+    }
+    assert DeclaringAdapter.asked == ["gloo"], "the table is resolved once per group, for its real backend"
+    caps = router.capabilities_of()
+    assert caps.gap("all_reduce", R.PREMUL_SUM, torch.float32) is not None  # Gloo's own row is kept
+    assert any("test declaration" in n for n in caps.notes)
+
+
+def test_the_plain_cpu_adapter_declares_nothing_so_max_goes_straight(routed) -> None:
+    """The same calls on the CPU adapter are not rewritten: the rewrites above came from the declaration."""
+    _init("nccl")
+    x = torch.arange(4.0)
+    dist.all_reduce(x, op=R.MAX)
+    dist.all_reduce(torch.ones(3, dtype=torch.float16))
+    assert router.stats() == {}
+
+
+def test_a_group_on_another_backend_gets_that_backends_defaults(routed) -> None:
+    """A Gloo group under an adapter whose own backend is the stand-in gets Gloo's table, not the stand-in's gaps."""
+    set_accelerator(StandinAccelerator())
+    _init("gloo")
+    dist.all_reduce(torch.arange(4.0), op=R.AVG)  # the stand-in lacks AVG; Gloo has it from torch 2.8
+    gloo = capabilities_for("gloo")
+    rewritten = {"all_reduce": {"rewrites": 1, "by": {"avg_as_sum": 1}}}
+    assert router.stats() == ({} if gloo.gap("all_reduce", R.AVG, torch.float32) is None else rewritten)
+    assert router.real_backend() == "gloo" and router.capabilities_of() == gloo
 
 
 def test_use_capabilities_rejects_other_objects(routed) -> None:
