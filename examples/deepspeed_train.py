@@ -32,16 +32,18 @@ STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16")
 
 
-def parse_runs(text: str) -> list[tuple[int, str]]:
-    """Parse ``"0:fp32,3:bf16"`` into [(0, "fp32"), (3, "bf16")], or raise naming the bad item."""
+def parse_runs(text: str) -> list[tuple[int, str, bool]]:
+    """Parse ``"0:fp32,3:bf16:offload"`` into [(0, "fp32", False), (3, "bf16", True)], or raise naming the bad item."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
-        stage, sep, dtype = item.partition(":")
-        if not sep or not stage.isdigit() or int(stage) not in STAGES or dtype not in DTYPES:
+        stage, sep, rest = item.partition(":")
+        dtype, _, flag = rest.partition(":")
+        if (not sep or not stage.isdigit() or int(stage) not in STAGES or dtype not in DTYPES
+                or flag not in ("", "offload") or (flag and int(stage) == 0)):
             raise argparse.ArgumentTypeError(
-                f"--runs item {item!r} must be STAGE:DTYPE with STAGE in {STAGES} and DTYPE in {DTYPES}, "
-                "e.g. '0:fp32,3:bf16'")
-        out.append((int(stage), dtype))
+                f"--runs item {item!r} must be STAGE:DTYPE[:offload] with STAGE in {STAGES} and DTYPE in {DTYPES} "
+                "(offload: ZeRO stage 1-3), e.g. '0:fp32,3:bf16,2:fp32:offload'")
+        out.append((int(stage), dtype, flag == "offload"))
     if not out:
         raise argparse.ArgumentTypeError("--runs needs at least one STAGE:DTYPE item")
     return out
@@ -50,7 +52,8 @@ def parse_runs(text: str) -> list[tuple[int, str]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=parse_runs, default=parse_runs("2:fp32"),
-                   help="comma-separated ZeRO_STAGE:DTYPE runs (default 2:fp32)")
+                   help="comma-separated ZeRO_STAGE:DTYPE[:offload] runs (default 2:fp32); offload keeps the "
+                        "optimizer state and step on the host")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
     p.add_argument("--global-batch", type=int, default=8, help="samples per step over all ranks")
     p.add_argument("--seed", type=int, default=1234)
@@ -67,8 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron", action="store_true",
                    help="Megatron-DeepSpeed style: also import portspeed.megatron_adaptor and hand DeepSpeed "
                         "Megatron-Core's parallel state (tensor/pipeline parallel 1) as its mpu")
-    p.add_argument("--offload", action="store_true",
-                   help="ZeRO-Offload: keep the optimizer state and step on the host (stages 1-3)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="sgd: a client torch SGD (momentum 0.9); adam: DeepSpeed's own Adam from the config "
+                        "(DeepSpeedCPUAdam, a host kernel JIT-built on first use, in offload runs; torch's Adam "
+                        "otherwise)")
     p.add_argument("--out", default=None, help="JSON file rank 0 writes the losses to")
     return p
 
@@ -112,7 +117,8 @@ def make_model(seed: int) -> Any:
 BUCKET = 1 << 16
 
 
-def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: bool = False) -> dict[str, Any]:
+def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: bool = False,
+              adam_lr: float | None = None) -> dict[str, Any]:
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": BUCKET,
@@ -123,7 +129,7 @@ def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: bo
     }
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {
+    config: dict[str, Any] = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": global_batch // world,
         "gradient_accumulation_steps": 1,
@@ -135,6 +141,9 @@ def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: bo
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if adam_lr is not None:
+        config["optimizer"] = {"type": "Adam", "params": {"lr": adam_lr, "torch_adam": not offload}}
+    return config
 
 
 def megatron_mpu() -> Any:
@@ -155,7 +164,7 @@ def megatron_mpu() -> Any:
     )
 
 
-def train_run(args: argparse.Namespace, stage: int, dtype: str, data: tuple[Any, Any],
+def train_run(args: argparse.Namespace, stage: int, dtype: str, offload: bool, data: tuple[Any, Any],
               mpu: Any = None) -> dict[str, Any]:
     """One engine: train (or resume), return the global per-step losses."""
     import deepspeed
@@ -167,10 +176,15 @@ def train_run(args: argparse.Namespace, stage: int, dtype: str, data: tuple[Any,
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
     micro = args.global_batch // world
     model = make_model(args.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu,
-                                           config=ds_config(stage, dtype, args.global_batch, world, args.offload))
-    tag = f"zero{stage}_{dtype}"
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu,
+                                               config=ds_config(stage, dtype, args.global_batch, world, offload))
+    else:
+        config = ds_config(stage, dtype, args.global_batch, world, offload, adam_lr=args.lr / 5)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
+                                               config=config)
+    tag = f"zero{stage}_{dtype}" + ("_offload" if offload else "")
     start = 0
     if args.resume_from:
         path, _ = engine.load_checkpoint(args.resume_from, tag=tag)
@@ -191,14 +205,20 @@ def train_run(args: argparse.Namespace, stage: int, dtype: str, data: tuple[Any,
         losses.append(total.item() / world)
         if args.save_dir and step + 1 == args.save_at:
             engine.save_checkpoint(args.save_dir, tag=tag)
+    params = list(engine.module.parameters())
+    placement = {
+        "param_device": str(params[0].device),
+        "optimizer": type(engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer")
+                          else engine.optimizer).__name__,
+        # ZeRO-3: how many parameters this rank holds only a slice of (the rest gathered on use)
+        "partitioned_params": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),
+    }
     engine.destroy()
-    return {"start_step": start, "losses": losses}
+    return {"start_step": start, "losses": losses, **placement}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.offload and any(stage == 0 for stage, _ in args.runs):
-        raise SystemExit("--offload needs ZeRO stage 1, 2 or 3 in every --runs item (stage 0 has no partitions to offload)")
     if args.resume_from and not 0 < args.save_at < args.steps:
         raise SystemExit(f"--save-at {args.save_at} must be between 1 and --steps - 1 ({args.steps - 1})")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -224,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {},
     }
     mpu = megatron_mpu() if args.megatron else None
-    for stage, dtype in args.runs:
-        record["runs"][f"{stage}:{dtype}"] = train_run(args, stage, dtype, data, mpu)
+    for stage, dtype, offload in args.runs:
+        key = f"{stage}:{dtype}" + (":offload" if offload else "")
+        record["runs"][key] = train_run(args, stage, dtype, offload, data, mpu)
     if not args.no_portspeed:
         import portspeed
         import portspeed.router

@@ -16,9 +16,13 @@ Contract
   string), ``is_fp16_supported()`` is a bool (not None). DeepSpeed's own CPU comm kernels
   (shared-memory and oneCCL op builders) are not offered: their collectives would bypass
   the process group, and so the adapter's backend; DeepSpeed then uses torch.distributed.
-- On any other adapter the object subclasses ``DeepSpeedAccelerator`` directly; DeepSpeed
-  op builders are not offered there (``create_op_builder`` returns None), so DeepSpeed
-  falls back to its torch implementations.
+- On any other adapter the object subclasses ``DeepSpeedAccelerator`` directly. It offers
+  DeepSpeed's host-side op builders (``HOST_OP_BUILDERS``: CPU Adam/Adagrad/Lion, async
+  I/O, pinned host memory; offload is host work on every accelerator), the same classes
+  DeepSpeed's CPU accelerator offers. Device kernels (FusedAdam, transformer kernels...)
+  are not: ``create_op_builder`` returns None, and the class ``get_op_builder`` returns
+  (what ``deepspeed.ops.op_builder.<Name>`` resolves to) reports itself incompatible and
+  raises ``PortspeedError`` naming the kernel and the adapter when loaded.
 
 Limits: importing this module imports DeepSpeed; ``portspeed.deepspeed_adaptor`` imports
 it only from a post-import hook, once DeepSpeed is being imported anyway.
@@ -42,8 +46,10 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from .accelerator import Accelerator
+from .errors import PortspeedError
 
-__all__ = ["AdapterBacked", "PortspeedCpuAccelerator", "PortspeedAccelerator", "build_ds_accelerator"]
+__all__ = ["AdapterBacked", "HOST_OP_BUILDERS", "PortspeedCpuAccelerator", "PortspeedAccelerator",
+           "build_ds_accelerator"]
 
 
 class AdapterBacked:
@@ -217,6 +223,53 @@ class PortspeedCpuAccelerator(AdapterBacked, CPU_Accelerator):
         return int(CPU_Accelerator.device_count(self))
 
 
+#: DeepSpeed op builders whose kernels run on the host whatever the device: optimizer steps
+#: on host (offloaded) partitions, NVMe async I/O, page-locked host buffers.
+HOST_OP_BUILDERS = frozenset({"CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder",
+                              "PinMemoryBuilder"})
+
+
+def _unavailable_builder(class_name: str, adapter: Accelerator) -> type:
+    """An op builder class standing for a device kernel the adapter has not: incompatible, and
+    loading it raises a clear error (instead of DeepSpeed calling None)."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    message = (
+        f"DeepSpeed's {class_name} builds a device kernel, which portspeed does not offer on the "
+        f"{adapter.name!r} adapter (device {adapter.device_type!r}); only DeepSpeed's host-side builders "
+        f"({', '.join(sorted(HOST_OP_BUILDERS))}) are. Use the torch implementation instead (for Adam: "
+        "\"torch_adam\": true in the optimizer params)"
+    )
+
+    class UnavailableBuilder(OpBuilder):
+        NAME = f"portspeed_unavailable_{class_name}"
+        BUILD_VAR = "DS_BUILD_PORTSPEED_UNAVAILABLE"
+
+        def __init__(self) -> None:
+            super().__init__(name=self.NAME)
+
+        def absolute_name(self) -> str:
+            return f"portspeed.unavailable.{class_name}"
+
+        def sources(self) -> list[str]:
+            return []
+
+        def is_compatible(self, verbose: bool = False) -> bool:
+            if verbose:
+                self.warning(message)
+            return False
+
+        def load(self, verbose: bool = True) -> Any:
+            raise PortspeedError(message)
+
+        def jit_load(self, verbose: bool = True) -> Any:
+            raise PortspeedError(message)
+
+    UnavailableBuilder.__name__ = UnavailableBuilder.__qualname__ = class_name
+    UnavailableBuilder.unavailable_reason = message  # type: ignore[attr-defined]
+    return UnavailableBuilder
+
+
 def _tensor_factory(dtype: torch.dtype, device: Callable[[], str]) -> Callable[..., torch.Tensor]:
     """A ``torch.cuda.FloatTensor``-like constructor for a device without legacy tensor types."""
 
@@ -233,13 +286,15 @@ def _tensor_factory(dtype: torch.dtype, device: Callable[[], str]) -> Callable[.
 class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
     """DeepSpeed's accelerator interface on any non-CPU portspeed adapter.
 
-    Devices with asynchronous streams are not synchronized devices; DeepSpeed op builders
-    (C++/CUDA kernels) are not offered, so DeepSpeed uses its torch code paths.
+    Devices with asynchronous streams are not synchronized devices. Of DeepSpeed's op
+    builders only the host-side ones are offered (offload runs on the host on every device);
+    device kernels are not, so DeepSpeed uses its torch code paths.
     """
 
     def __init__(self, adapter: Accelerator) -> None:
         DeepSpeedAccelerator.__init__(self)
         self._compile_backend = "inductor"
+        self._unavailable: dict[str, type] = {}
         self._bind(adapter)
 
     def is_synchronized_device(self) -> bool:
@@ -312,13 +367,21 @@ class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
         return tensor.device.type == self._adapter.device_type
 
     def op_builder_dir(self) -> str:
-        return "deepspeed.ops.op_builder"
+        # the package of DeepSpeed's host builders (what its CPU accelerator answers)
+        return CPU_Accelerator.op_builder_dir(self)
 
-    def create_op_builder(self, class_name: str) -> None:
-        return None
+    def create_op_builder(self, class_name: str) -> Any:
+        if class_name not in HOST_OP_BUILDERS:
+            return None  # DeepSpeed's answer for "not on this accelerator"
+        return self.get_op_builder(class_name)()
 
-    def get_op_builder(self, class_name: str) -> None:
-        return None
+    def get_op_builder(self, class_name: str) -> type:
+        if class_name in HOST_OP_BUILDERS:
+            return CPU_Accelerator.get_op_builder(self, class_name)
+        builder = self._unavailable.get(class_name)
+        if builder is None:
+            builder = self._unavailable[class_name] = _unavailable_builder(class_name, self._adapter)
+        return builder
 
     def build_extension(self) -> Any:
         from torch.utils.cpp_extension import BuildExtension
