@@ -11,6 +11,9 @@ on a device. Tests call ``fake_allocate``/``fake_free`` to move the allocator co
 
 ``install_modules`` puts modules into ``sys.modules`` and attributes onto ``torch`` and
 returns an undo function, so a fake never outlives the test that installed it.
+
+It exists only to check API names: the vendors' and the generic adapter's device-module
+path (see tests/fakes/__init__.py); device semantics are checked on the test device, not here.
 """
 
 from __future__ import annotations

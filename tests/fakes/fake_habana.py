@@ -5,6 +5,9 @@ Provides what portspeed's hpu adapter touches: the ``habana_frameworks`` package
 generators, ``.torch.distributed.hccl``, ``.torch.utils.experimental._is_fp16_supported``)
 and ``torch.hpu``. Memory statistics use the bridge's key names (``InUse``, ``MaxInUse``,
 ``Limit``). The fake ``hccl`` module registers no c10d backend.
+
+It exists only to check vendor-specific API names (see tests/fakes/__init__.py);
+device semantics are checked on the test device, not here.
 """
 
 from __future__ import annotations

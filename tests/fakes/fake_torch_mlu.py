@@ -3,6 +3,9 @@
 Provides what portspeed's mlu adapter touches: an importable ``torch_mlu`` package and the
 ``torch.mlu`` device module, including ``torch.mlu.cnpx`` (Cambricon's profiling ranges),
 whose calls the fake records in ``state.ranges``. No c10d ``cncl`` backend is registered.
+
+It exists only to check vendor-specific API names (see tests/fakes/__init__.py);
+device semantics are checked on the test device, not here.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ Provides what portspeed's musa adapter touches: an importable ``torch_musa`` pac
 the ``torch.musa`` device module. ``bf16=None`` builds a module without
 ``is_bf16_supported`` (older torch_musa builds), so the adapter's fallback can be tested.
 No c10d ``mccl`` backend is registered.
+
+It exists only to check vendor-specific API names (see tests/fakes/__init__.py);
+device semantics are checked on the test device, not here.
 """
 
 from __future__ import annotations

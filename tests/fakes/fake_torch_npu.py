@@ -6,6 +6,9 @@ registers the ``hccl`` c10d backend and patches torch; this fake does neither.
 
     with fake_torch_npu.installed(count=2) as state:
         ...   # torch.npu.device_count() == 2; state.fake_allocate(1024) moves memory_allocated
+
+It exists only to check vendor-specific API names (see tests/fakes/__init__.py);
+device semantics are checked on the test device, not here.
 """
 
 from __future__ import annotations

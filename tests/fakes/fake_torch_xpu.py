@@ -5,6 +5,9 @@ torch.xpu is part of torch, so the fake replaces the ``torch.xpu`` attribute (an
 ``get_device_properties`` reports; ``oneccl=True`` also installs a FAKE, empty
 ``oneccl_bindings_for_pytorch`` so the adapter's ``ccl`` fallback can be tested (the real
 one registers the ``ccl`` c10d backend; the fake registers nothing).
+
+It exists only to check vendor-specific API names (see tests/fakes/__init__.py);
+device semantics are checked on the test device, not here.
 """
 
 from __future__ import annotations
