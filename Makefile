@@ -21,7 +21,7 @@ PYTHON312   ?= $(shell { p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/pyt
 LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/test_translation.py \
                tests/test_router.py tests/test_collective_conformance.py tests/test_selection.py \
                tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
-               tests/test_cuda_build.py tests/test_drift.py
+               tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py
 LEG1_MARKS  := not cuda_build
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock
 

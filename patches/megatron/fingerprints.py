@@ -26,6 +26,7 @@ FINGERPRINTS: dict[str, dict[str, str]] = {'megatron.core.ddp_buffers.offload_co
                                                '0.18.2': '04aedb4de05dc894',
                                                '0.19.1': '04aedb4de05dc894',
                                                '0.19.2': '04aedb4de05dc894'},
+ 'megatron.core.moe.te_gemm_unbound': {'0.15.3': '086d4c9955f7a419', '0.16.1': 'e5571e9ae28a4450'},
  'megatron.core.p2p.interleaved_pp2_guard': {'0.15.3': '26e8751a252e234a',
                                              '0.16.1': 'bd34acf830acf5ac',
                                              '0.17.1': '435745a4155f3bfe',
