@@ -1,22 +1,27 @@
 """The portspeed adapter of the test device, written as a third-party vendor would write one.
 
-It reaches the engine only through the public adapter contract: it is an ``Accelerator``
-subclass registered in the ``portspeed.adapters`` entry-point group (see pyproject.toml),
-its vendor module is the test device package (imported only when this adapter is
-selected), and it declares what its CCL lacks. ``detect()`` is False: the test device is
-chosen only by name, ``PORTSPEED_ACCELERATOR=testdev``, so CPU runs never switch to it.
+It reaches the engine only through the public adapter contract: a subclass of the generic
+``PrivateUse1Accelerator`` registered in the ``portspeed.adapters`` entry-point group (see
+pyproject.toml), whose vendor module is the test device package (imported only when this
+adapter is selected), declaring what its CCL lacks. ``auto_detect`` is False: the test
+device is chosen only by name, ``PORTSPEED_ACCELERATOR=testdev``, so CPU runs never
+switch to it.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from portspeed.accelerator import Accelerator
+import torch
+import torch.distributed as dist
+
+from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
+from portspeed.capabilities import BackendGaps
 
 __all__ = ["TestdevAccelerator"]
 
 
-class TestdevAccelerator(Accelerator):
+class TestdevAccelerator(PrivateUse1Accelerator):
     """portspeed's test device (PrivateUse1 'testdev', collectives on 'testccl'): a test device, not hardware."""
 
     name: ClassVar[str] = "testdev"
@@ -24,7 +29,10 @@ class TestdevAccelerator(Accelerator):
     backend: ClassVar[str] = "testccl"
     vendor_modules: ClassVar[tuple[str, ...]] = ("portspeed.testing.testdev",)
     vendor_package: ClassVar[str | None] = "portspeed's test device (build: python -m portspeed.testing.testdev build)"
-
-    @classmethod
-    def detect(cls) -> bool:
-        return False
+    auto_detect: ClassVar[bool] = False
+    #: the gaps testccl (csrc/ccl.cpp) really has, so the router rewrites them
+    backend_gaps: ClassVar[BackendGaps] = BackendGaps(
+        unsupported_ops=(dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM),
+        unsupported_dtypes=(("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)),
+        note="testccl, the test device's CCL, lacks this on purpose, like a vendor CCL",
+    )

@@ -14,17 +14,23 @@ Where: ``PORTSPEED_TESTDEV_BUILD_DIR`` if set, else ``<sys.prefix>/var/portspeed
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 __all__ = ["EXTENSION_NAME", "SOURCES", "build_dir", "load_extension"]
 
 EXTENSION_NAME = "portspeed_testdev_ext"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES: tuple[str, ...] = ("device.cpp", "memory.cpp", "kernels.cpp", "ccl.cpp", "module.cpp")
+_CFLAGS: tuple[str, ...] = ("-O1", "-std=c++20")
 
 _loaded: ModuleType | None = None
 
@@ -54,20 +60,77 @@ def build_dir() -> Path:
     ) from last_error
 
 
+def _fingerprint() -> str:
+    """What the built library depends on: the sources, the flags, this Python and this torch."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in SOURCES + ("testdev.h",):
+        h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
+    h.update(" ".join([*_CFLAGS, sys.version, torch.__version__, torch.__file__]).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """An exclusive lock the kernel drops when its holder dies (a killed build never blocks the next)."""
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _import(path: Path) -> ModuleType:
+    if EXTENSION_NAME in sys.modules:
+        return sys.modules[EXTENSION_NAME]
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[EXTENSION_NAME] = module
+    return module
+
+
 def load_extension(verbose: bool = False) -> ModuleType:
-    """Compile (if the cache is stale) and import the extension; once per process."""
+    """Import the extension, compiling it first when the cache does not match the sources; once per process.
+
+    A built library whose fingerprint matches is imported directly (no compiler, no lock), so
+    many ranks start at once cheaply. Building is serialised by a lock the kernel releases
+    if its holder is killed; torch's own lock file, which a killed build leaves behind and
+    which would make every later build wait forever, is removed under that lock.
+    """
     global _loaded
     if _loaded is not None:
         return _loaded
+    folder = build_dir()
+    library, stamp = folder / f"{EXTENSION_NAME}.so", folder / "fingerprint"
+    want = _fingerprint()
+
+    def fresh() -> bool:
+        return library.exists() and stamp.exists() and stamp.read_text() == want
+
+    if not fresh():
+        with _exclusive(folder / "portspeed-build.lock"):
+            if not fresh():
+                (folder / "lock").unlink(missing_ok=True)
+                _build(folder, verbose)
+                stamp.write_text(want)
+    _loaded = _import(library)
+    return _loaded
+
+
+def _build(folder: Path, verbose: bool) -> None:
     from torch.utils import cpp_extension
 
     try:
-        _loaded = cpp_extension.load(
+        cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(_CSRC / s) for s in SOURCES],
-            extra_cflags=["-O1", "-std=c++20"],
+            extra_cflags=list(_CFLAGS),
             extra_include_paths=[str(_CSRC)],
-            build_directory=str(build_dir()),
+            build_directory=str(folder),
             with_cuda=False,
             verbose=verbose,
         )
@@ -77,7 +140,6 @@ def load_extension(verbose: bool = False) -> ModuleType:
             "It needs the system C++ compiler (g++) and ninja (pip install ninja); "
             "run `python -m portspeed.testing.testdev build --verbose` to see the compiler output."
         ) from exc
-    return _loaded
 
 
 def main(argv: list[str] | None = None) -> int:
