@@ -102,3 +102,51 @@ def test_host_generator_patch_is_inactive_on_a_device_with_its_own_generator(tmp
         assert not shares_host_generator(portspeed.get_accelerator())
         assert shares_host_generator(CpuAccelerator())
     """)
+
+
+OFFLOAD = """
+import os, torch, torch.distributed as dist
+import portspeed, portspeed.megatron_adaptor as adaptor
+adaptor.activate()
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+acc = portspeed.get_accelerator()
+acc.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d" % int(os.environ["PORT"]))
+ps.initialize_model_parallel()
+cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+
+class Tiny(MegatronModule):
+    def __init__(self):
+        super().__init__(cfg)
+        self.lin = torch.nn.Linear(8, 8)
+
+model = Tiny().to(acc.device())
+ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)  # params in a buffer
+buf = ddp.buffers[0]
+before = model.lin.weight.detach().cpu().clone()
+assert buf.param_data.device.type == acc.device_type
+buf.offload_to_cpu(move_params=True, move_grads=True)
+assert buf.param_data.untyped_storage().nbytes() == 0, "the device copy was not freed"
+assert buf.param_data_cpu.device.type == "cpu" and buf.param_data_cpu.untyped_storage().nbytes() > 0
+if acc.device_type != "cpu":
+    assert buf.param_data_cpu.is_pinned(), "offloaded parameters should be in pinned host memory"
+buf.reload_from_cpu(move_params=True, move_grads=True)
+assert torch.equal(model.lin.weight.detach().cpu(), before), "parameters changed across offload and reload"
+assert model.lin.weight.device.type == acc.device_type
+dist.destroy_process_group()
+print("OK")
+"""
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("adapter", ["testdev", "cpu"])
+def test_ddp_buffer_offload_round_trip(adapter: str) -> None:
+    """Megatron's param/grad buffer offload to host and reload keeps the weights, on a device and on the host."""
+    from helpers.launch import free_port
+
+    res = run_python(["-c", OFFLOAD], timeout=240, env={"PORTSPEED_ACCELERATOR": adapter, "PORT": str(free_port())})
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
+        f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-5000:]}")
