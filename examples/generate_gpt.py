@@ -14,8 +14,9 @@ reach the other stages through ``broadcast_from_last_pipeline_stage``.
 
 The tokenizer is ``AsciiTokenizer``: one token per 7-bit character (the example model's
 vocabulary is 128), NUL is end-of-document. Each prompt's result is printed by global
-rank 0 as ``generated N | tokens: [...] | text: '...'`` and, with ``--out``, written as
-JSON with the per-token log-probabilities and the top-1/top-2 log-probability margin.
+rank 0 as ``greedy N | tokens: [...] | text: '...'`` and, with ``--out``, written as JSON
+with the per-token log-probabilities and the top-1/top-2 log-probability margin (how far
+greedy decoding was from a tie). ``--sample-top-k K`` adds a sampled pass (``sampled N | ...``).
 """
 
 import portspeed.megatron_adaptor  # noqa: F401  (first: translation + patches before Megatron loads)
@@ -39,6 +40,9 @@ from megatron.core.inference.sampling_params import SamplingParams
 from megatron.core.inference.text_generation_controllers.text_generation_controller import (
     TextGenerationController,
 )
+
+import portspeed
+from portspeed import router as ps_router
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain_gpt  # noqa: E402  (the model, its flags, its checkpoint layout)
@@ -73,7 +77,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     """Generation flags here; everything else (model shape, --tp/--pp, --load) is pretrain_gpt.py's."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=False)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
-    p.add_argument("--tokens", type=int, default=12, help="tokens to generate per prompt (greedy)")
+    p.add_argument("--tokens", type=int, default=12, help="tokens to generate per prompt")
+    p.add_argument("--sample-top-k", type=int, default=0, metavar="K",
+                   help="after the greedy pass, a second pass sampling among the K most likely tokens with the "
+                        "controller's sampling generator (a torch.Generator on the device, seeded by "
+                        "inference_sampling_seed); 0: greedy only")
     p.add_argument("--batch-times-seqlen-threshold", type=int, default=8,
                    help="PP > 1: batches with more tokens than this run as micro-batches through the pipeline "
                         "(Megatron's inference_batch_times_seqlen_threshold; -1: never)")
@@ -130,6 +138,18 @@ def margin(top: list[dict[str, float]]) -> list[float]:
     return out
 
 
+def generate(engine: StaticInferenceEngine, prompts: list[str], tokens: int, top_k: int) -> list[dict[str, Any]]:
+    """One batch through the engine; per prompt: tokens, text, log-probs and top-1/top-2 margins."""
+    params = SamplingParams(top_k=top_k, num_tokens_to_generate=tokens, return_log_probs=True, top_n_logprobs=2)
+    records = []
+    for r in engine.generate(prompts=prompts, sampling_params=params):
+        records.append({"prompt": r.prompt, "prompt_tokens": list(r.prompt_tokens),
+                        "generated_tokens": [int(t) for t in r.generated_tokens.tolist()],
+                        "generated_text": r.generated_text, "generated_log_probs": list(r.generated_log_probs),
+                        "top1_top2_margin": margin(r.generated_top_n_logprobs)})
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     gen, args = parse_args(argv)
     pretrain_gpt.init_distributed(args)
@@ -137,22 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     load_weights(args, chunks)
     model = chunks[0].module  # the GPTModel: inference needs no DDP wrapper
     engine = build_engine(gen, args, model)
-    params = SamplingParams(top_k=1, num_tokens_to_generate=gen.tokens, return_log_probs=True, top_n_logprobs=2)
-    results = engine.generate(prompts=gen.prompts, sampling_params=params)
-    records: list[dict[str, Any]] = []
-    for i, r in enumerate(results):
-        tokens = [int(t) for t in r.generated_tokens.tolist()]
-        records.append({"prompt": r.prompt, "prompt_tokens": list(r.prompt_tokens), "generated_tokens": tokens,
-                        "generated_text": r.generated_text, "generated_log_probs": list(r.generated_log_probs),
-                        "top1_top2_margin": margin(r.generated_top_n_logprobs)})
+    passes = {"greedy": generate(engine, gen.prompts, gen.tokens, top_k=1)}
+    if gen.sample_top_k:
+        passes["sampled"] = generate(engine, gen.prompts, gen.tokens, top_k=gen.sample_top_k)
     if dist.get_rank() == 0:
-        for i, rec in enumerate(records):
-            print(f"generated {i} | tokens: {rec['generated_tokens']} | text: {rec['generated_text']!r}", flush=True)
+        for name, records in passes.items():
+            for i, rec in enumerate(records):
+                print(f"{name} {i} | tokens: {rec['generated_tokens']} | text: {rec['generated_text']!r}", flush=True)
         if gen.out:
+            patches = {r["name"]: r["status"] for r in portspeed.report()
+                       if r["name"].startswith("megatron.core.inference")}
             meta = {"tp": args.tp, "pp": args.pp, "device": str(pretrain_gpt.get_accelerator().device()),
-                    "backend": dist.get_backend(), "engine": "StaticInferenceEngine(legacy=True)"}
+                    "backend": ps_router.real_backend(), "engine": "StaticInferenceEngine(legacy=True)",
+                    "sample_top_k": gen.sample_top_k, "patches": patches}
             with open(gen.out, "w") as f:
-                json.dump({"meta": meta, "results": records}, f, indent=1)
+                json.dump({"meta": meta, **passes}, f, indent=1)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
