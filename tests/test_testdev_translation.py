@@ -150,3 +150,19 @@ def test_ddp_buffer_offload_round_trip(adapter: str) -> None:
     res = run_python(["-c", OFFLOAD], timeout=240, env={"PORTSPEED_ACCELERATOR": adapter, "PORT": str(free_port())})
     assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
         f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-5000:]}")
+
+
+@pytest.mark.megatron
+def test_megatron_fusions_run_eagerly_where_inductor_lacks_the_device(tmp_path: Path) -> None:
+    """torch.compile has no code generator for the test device: Megatron's jit_fuser functions run eagerly there."""
+    _run(tmp_path, """
+        import megatron.core.jit as jit
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu
+        assert jit.jit_fuser.__name__ == "eager_jit_fuser", jit.jit_fuser
+        x = torch.randn(4, 8)
+        b = torch.randn(8)
+        got = bias_gelu(b.to("testdev"), x.to("testdev"))
+        assert got.device.type == "testdev"
+        assert torch.allclose(got.cpu(), bias_gelu(b, x))
+        assert any(r["name"] == "megatron.core.jit_fuser.eager" and r["status"] == "applied" for r in portspeed.report())
+    """)
