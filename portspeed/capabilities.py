@@ -136,6 +136,10 @@ class Capabilities:
     torch_version: str = ""
     gaps: tuple[Gap, ...] = ()
     notes: tuple[str, ...] = ()
+    #: the backend reads a send's tensor until the send completes (Gloo), instead of having
+    #: taken its data when the call returned (NCCL's stream order, a staging CCL): then the
+    #: caller must not free or reuse the tensor before wait(), and Megatron's p2p does
+    sends_from_buffer: bool = False
 
     def __post_init__(self) -> None:
         index: dict[str, tuple[Gap, ...]] = {}
@@ -224,6 +228,9 @@ class BackendGaps:
     unsupported_collectives: tuple[str, ...] = ()
     wrong_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
     note: str = "declared by the adapter"
+    #: see ``Capabilities.sends_from_buffer``: True when the library reads a send's tensor until
+    #: the send completes (portspeed then sends private copies from Megatron's pipeline p2p)
+    sends_from_buffer: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -258,7 +265,7 @@ def _declared(gaps: BackendGaps, backend: str, torch_version: str | None, adapte
     notes = tuple(n for n in base.notes if "no capability table" not in n)
     notes += (f"gaps declared by {who}: {gaps.note}",)
     return Capabilities(backend=backend, torch_version=base.torch_version, gaps=base.gaps + gaps.gaps(),
-                        notes=notes)
+                        notes=notes, sends_from_buffer=base.sends_from_buffer or gaps.sends_from_buffer)
 
 
 # ---------------------------------------------------------------------- tables
@@ -299,6 +306,8 @@ _TABLES = {
 
 #: Backends with a built-in table (others go straight through unless their adapter declares gaps).
 TABLED_BACKENDS = frozenset(_TABLES)
+#: torch's backends that read a send's tensor while the send is in flight (host memory, no stream)
+_SENDS_FROM_BUFFER = frozenset({"gloo"})
 
 
 def check_backend_name(name: str) -> None:
@@ -348,4 +357,5 @@ def capabilities_for(backend: str, torch_version: str | None = None) -> Capabili
         notes.append(f"no capability table for backend {backend!r} and no gaps declared by its adapter: "
                      "its collectives go straight through")
         return Capabilities(backend=name, torch_version=str(v), notes=tuple(notes))
-    return Capabilities(backend=name, torch_version=str(v), gaps=tuple(table(v)), notes=tuple(notes))
+    return Capabilities(backend=name, torch_version=str(v), gaps=tuple(table(v)), notes=tuple(notes),
+                        sends_from_buffer=name in _SENDS_FROM_BUFFER)

@@ -13,7 +13,9 @@ swaps the tensor's storage for a 1-element one; on by default in Megatron-LM). W
 send captured the data when it was queued on the stream; a host backend (Gloo, the
 stand-in) reads the tensor while the send is in flight, so it sent the swapped storage:
 stock PP2 with virtual stages gave wrong, run-to-run different losses. On such backends
-the p2p ops send a private copy, kept alive by the send's work object.
+(``Capabilities.sends_from_buffer``: Gloo, the stand-in) the p2p ops send a private copy,
+kept alive by the send's work object; a backend that takes the data when the send is
+issued (NCCL, the test device's staging CCL) needs no copy and the patch is inactive.
 
 Everything else in ``p2p_communication`` runs through the translation: buffers are
 allocated on ``torch.cuda.current_device()`` (the adapter's device) and
@@ -24,12 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from portspeed.accelerator import Accelerator
 from portspeed.errors import PortspeedError
 from portspeed.patch import WRAP, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
 
-__all__ = ["PATCHES", "InterleavedP2PLayoutError"]
+__all__ = ["PATCHES", "InterleavedP2PLayoutError", "sends_from_buffer"]
 
 
 class InterleavedP2PLayoutError(PortspeedError, ValueError):
@@ -66,17 +69,22 @@ def send_private_copies(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     return wrapped(*args, **kwargs)
 
 
+def sends_from_buffer(acc: Accelerator) -> bool:
+    """Condition: the adapter's backend reads a send's tensor until the send completes."""
+    return bool(acc.capabilities().sends_from_buffer)
+
+
 _SEND_COPY_REASON = ("Megatron frees a stage output right after posting its send, which NCCL has already captured; "
                      "a host backend still reads it, so send a private copy")
 
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.p2p.send_copy", target="megatron.core.pipeline_parallel.p2p_communication:_p2p_ops",
           kind=WRAP, impl=send_private_copies, reason=_SEND_COPY_REASON,
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
+          distribution=CORE_DIST, versions=CORE_VERSIONS, when=sends_from_buffer),
     Patch(name="megatron.core.p2p.send_copy_batched",
           target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
           kind=WRAP, impl=send_private_copies, reason=_SEND_COPY_REASON,
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
+          distribution=CORE_DIST, versions=CORE_VERSIONS, when=sends_from_buffer),
     Patch(name="megatron.core.p2p.interleaved_pp2_guard",
           target="megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
           kind=WRAP, impl=interleaved_guard,

@@ -332,6 +332,7 @@ class StandinAccelerator(CpuAccelerator):
         unsupported_dtypes=(("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)),
         unsupported_collectives=("all_to_all",),
         note="stand-in backend declares this gap on purpose, like a vendor CCL",
+        sends_from_buffer=True,  # its send is the inner Gloo send of the caller's tensor
     )
 
     @classmethod
