@@ -47,6 +47,28 @@ std::vector<at::Tensor> host_like(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+// Host copies of lists of device tensors (inputs); every host tensor is also added to ``keep``.
+std::vector<std::vector<at::Tensor>> lists_to_host(const std::vector<std::vector<at::Tensor>>& lists,
+                                                   std::vector<at::Tensor>& keep) {
+  std::vector<std::vector<at::Tensor>> out;
+  for (const auto& list : lists) {
+    out.push_back(to_host(list));
+    keep.insert(keep.end(), out.back().begin(), out.back().end());
+  }
+  return out;
+}
+
+// Host buffers for lists of device tensors (outputs); each (device, host) pair goes to ``back``.
+std::vector<std::vector<at::Tensor>> lists_like(const std::vector<std::vector<at::Tensor>>& lists,
+                                                std::vector<std::pair<at::Tensor, at::Tensor>>& back) {
+  std::vector<std::vector<at::Tensor>> out;
+  for (const auto& list : lists) {
+    out.push_back(host_like(list));
+    for (size_t i = 0; i < list.size(); ++i) back.emplace_back(list[i], out.back()[i]);
+  }
+  return out;
+}
+
 // The work of one staged collective: waits for Gloo, then copies host results back into
 // the device tensors (once, whoever asks first: wait() or the future).
 class StagedWork final : public Work {
@@ -164,12 +186,8 @@ class TestCCL final : public c10d::Backend {
   WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                     const c10d::AllgatherOptions& opts) override {
     auto host_in = to_host(inputs);
-    std::vector<std::vector<at::Tensor>> host_out;
     std::vector<std::pair<at::Tensor, at::Tensor>> back;
-    for (auto& list : outputs) {
-      host_out.push_back(host_like(list));
-      append(back, pairs(list, host_out.back()));
-    }
+    auto host_out = lists_like(outputs, back);
     return staged(gloo_->allgather(host_out, host_in, opts), std::move(back), c10d::OpType::ALLGATHER, host_in);
   }
 
@@ -191,23 +209,15 @@ class TestCCL final : public c10d::Backend {
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                  const c10d::GatherOptions& opts) override {
     auto host_in = to_host(inputs);
-    std::vector<std::vector<at::Tensor>> host_out;
     std::vector<std::pair<at::Tensor, at::Tensor>> back;
-    for (auto& list : outputs) {
-      host_out.push_back(host_like(list));
-      append(back, pairs(list, host_out.back()));
-    }
+    auto host_out = lists_like(outputs, back);
     return staged(gloo_->gather(host_out, host_in, opts), std::move(back), c10d::OpType::GATHER, host_in);
   }
 
   WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                   const c10d::ScatterOptions& opts) override {
-    std::vector<std::vector<at::Tensor>> host_in;
     std::vector<at::Tensor> keep;
-    for (auto& list : inputs) {
-      host_in.push_back(to_host(list));
-      keep.insert(keep.end(), host_in.back().begin(), host_in.back().end());
-    }
+    auto host_in = lists_to_host(inputs, keep);
     auto host_out = host_like(outputs);
     return staged(gloo_->scatter(host_out, host_in, opts), pairs(outputs, host_out), c10d::OpType::SCATTER, keep);
   }
@@ -216,12 +226,8 @@ class TestCCL final : public c10d::Backend {
                          const c10d::ReduceScatterOptions& opts) override {
     check_reduce_op(opts.reduceOp, "reduce_scatter");
     check_reduce_scatter_dtype(outputs, "reduce_scatter");
-    std::vector<std::vector<at::Tensor>> host_in;
     std::vector<at::Tensor> keep;
-    for (auto& list : inputs) {
-      host_in.push_back(to_host(list));
-      keep.insert(keep.end(), host_in.back().begin(), host_in.back().end());
-    }
+    auto host_in = lists_to_host(inputs, keep);
     auto host_out = host_like(outputs);
     return staged(gloo_->reduce_scatter(host_out, host_in, opts), pairs(outputs, host_out),
                   c10d::OpType::REDUCE_SCATTER, keep);
@@ -299,11 +305,6 @@ class TestCCL final : public c10d::Backend {
     std::vector<std::pair<at::Tensor, at::Tensor>> out;
     for (size_t i = 0; i < device.size(); ++i) out.emplace_back(device[i], host[i]);
     return out;
-  }
-
-  static void append(std::vector<std::pair<at::Tensor, at::Tensor>>& to,
-                     std::vector<std::pair<at::Tensor, at::Tensor>>&& more) {
-    for (auto& p : more) to.push_back(std::move(p));
   }
 
   WorkPtr staged(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> back, c10d::OpType type,

@@ -62,6 +62,15 @@ void free_block(void* ctx) {
   delete block;
 }
 
+// The statistics this allocator keeps (aggregate pool only: there is one pool).
+template <typename Fn>
+void for_each_stat(DeviceStats& s, Fn fn) {
+  for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes, &s.reserved_bytes,
+                    &s.active_bytes, &s.requested_bytes}) {
+    fn((*arr)[kAggregate]);
+  }
+}
+
 struct DeviceMemory final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex device = current_device();
@@ -101,19 +110,12 @@ struct DeviceMemory final : c10::DeviceAllocator {
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(stats_mutex);
     auto& s = all_stats()[check_index(device)];
-    for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes, &s.reserved_bytes,
-                      &s.active_bytes, &s.requested_bytes}) {
-      (*arr)[kAggregate].reset_accumulated();
-    }
+    for_each_stat(s, [](c10::CachingAllocator::Stat& st) { st.reset_accumulated(); });
     s.num_device_alloc = 0;
   }
   void resetPeakStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(stats_mutex);
-    auto& s = all_stats()[check_index(device)];
-    for (auto* arr : {&s.allocation, &s.segment, &s.active, &s.allocated_bytes, &s.reserved_bytes,
-                      &s.active_bytes, &s.requested_bytes}) {
-      (*arr)[kAggregate].reset_peak();
-    }
+    for_each_stat(all_stats()[check_index(device)], [](c10::CachingAllocator::Stat& st) { st.reset_peak(); });
   }
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     constexpr size_t kTotal = size_t(16) << 30;  // a nominal 16 GiB per test device
