@@ -472,7 +472,7 @@ class GenericTestdev(PrivateUse1Accelerator):
 
     name = "generic-testdev"
     device_type = "testdev"
-    vendor_modules = ("portspeed.testing.testdev",)
+    vendor_modules = ("portspeed.testing.testdev.runtime",)
     auto_detect = False
 
 
@@ -487,7 +487,7 @@ def test_generic_adapter_through_a_device_module(check: Callable[[Accelerator, A
 
 def _child_main_testdev() -> None:
     """Child process: the test device registered, the generic adapter run through every check."""
-    import portspeed.testing.testdev  # noqa: F401 - registers the device, as a vendor package does
+    import portspeed.testing.testdev.runtime  # noqa: F401 - registers the device, as a vendor package does
 
     GenericTestdev.load_vendor()
     acc = GenericTestdev()

@@ -1,7 +1,7 @@
 """The test device behaves like an accelerator that is not the host (it is a test device, not hardware).
 
 Registering a PrivateUse1 device cannot be undone in a process, so every check runs in a
-fresh Python process (``run_python``) that imports ``portspeed.testing.testdev`` first,
+fresh Python process (``run_python``) that imports ``portspeed.testing.testdev.runtime`` first,
 as a program imports a vendor's torch extension. A check prints ``OK`` last; anything
 else (an exception, a failed assert) fails the test with the child's output.
 The extension is built by ``make test`` before pytest starts; if it cannot be built,
@@ -19,7 +19,7 @@ from helpers.launch import REPO, run_python
 
 pytestmark = [pytest.mark.testdev]
 
-PRELUDE = "import torch\nimport portspeed.testing.testdev as testdev\n"
+PRELUDE = "import torch\nimport portspeed.testing.testdev.runtime as testdev\n"
 
 
 def _run(code: str, timeout: float = 180, **env: str) -> str:
@@ -34,6 +34,16 @@ def test_build_command_reports_the_extension() -> None:
     res = run_python(["-m", "portspeed.testing.testdev", "build"], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "a test device, not hardware" in res.stdout
+
+
+def test_never_registered_unless_chosen_by_name() -> None:
+    """Auto-detection loads every adapter entry point; the test device must not register itself then."""
+    res = run_python(["-c", "import torch, portspeed\n"
+                            "assert portspeed.get_accelerator().name == 'cpu'\n"
+                            "assert torch.accelerator.current_accelerator() is None, torch.accelerator.current_accelerator()\n"
+                            "assert 'portspeed.testing.testdev.runtime' not in __import__('sys').modules\n"
+                            "print('OK')"], timeout=120, env={"PORTSPEED_ACCELERATOR": ""})
+    assert res.returncode == 0 and res.stdout.strip() == "OK", res.stderr[-3000:]
 
 
 def test_registers_as_the_accelerator_with_its_own_module() -> None:
@@ -228,7 +238,7 @@ def test_set_device_places_new_tensors() -> None:
 _CCL_RANK = """
 import json, os, time
 import torch, torch.distributed as dist
-import portspeed.testing.testdev
+import portspeed.testing.testdev.runtime
 rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.testdev.set_device(rank)
 dist.init_process_group("testccl")

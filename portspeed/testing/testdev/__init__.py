@@ -6,53 +6,17 @@ tensors carry the device type ``testdev``, ops that mix host and device tensors 
 every host/device move is a real copy, each device has its own generator, and collectives
 go through its own c10d backend ``testccl``, which declares gaps like a vendor CCL.
 
-Importing this package does what importing a vendor's torch extension does: it builds (if
-needed) and loads the C++ extension, renames PrivateUse1 to ``testdev``, registers the
-device module as ``torch.testdev`` (so ``torch.accelerator`` and
-``torch.get_device_module()`` answer for it), adds ``Tensor.testdev()`` and friends, and
-registers the ``testccl`` backend. That cannot be undone in a process, so it is never
-imported implicitly: portspeed selects the device only by name
-(``PORTSPEED_ACCELERATOR=testdev``, through the ``portspeed.adapters`` entry point).
+Importing this package does nothing to torch. ``import portspeed.testing.testdev.runtime``
+does what importing a vendor's torch extension does (build if needed, load, register the
+device and its CCL), and cannot be undone in a process: it happens only when the adapter
+is selected by name (``PORTSPEED_ACCELERATOR=testdev``), or when a program imports it.
 
-Build it ahead of time with ``python -m portspeed.testing.testdev build``.
+Modules: ``runtime`` (registration), ``build`` (the C++ extension: ``python -m
+portspeed.testing.testdev build``), ``device_module`` (``torch.testdev``), ``ccl`` (the
+backend's registration), ``adapter`` (the portspeed adapter, an entry point).
 """
 
-from __future__ import annotations
-
-import time
-
-_start = time.perf_counter()
-
-import torch  # noqa: E402
-
-from . import device_module  # noqa: E402
-from .build import load_extension  # noqa: E402
-from .ccl import BACKEND_NAME, register_backend
-
-__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "extension"]
-
 DEVICE_TYPE = "testdev"
+BACKEND_NAME = "testccl"
 
-
-def _register() -> object:
-    current = torch._C._get_privateuse1_backend_name()
-    if current not in ("privateuseone", DEVICE_TYPE):
-        raise RuntimeError(
-            f"PrivateUse1 is already taken by {current!r} in this process; the portspeed test device "
-            "cannot share a process with another PrivateUse1 device"
-        )
-    ext = load_extension()
-    if current != DEVICE_TYPE:
-        torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
-    ext.register_hooks()
-    device_module._ext = ext
-    if not hasattr(torch, DEVICE_TYPE):
-        torch._register_device_module(DEVICE_TYPE, device_module)
-        torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-    register_backend(ext, DEVICE_TYPE)
-    return ext
-
-
-extension = _register()
-#: seconds this import took: building (when the cache was stale) or loading, and registering
-load_seconds = time.perf_counter() - _start
+__all__ = ["BACKEND_NAME", "DEVICE_TYPE"]

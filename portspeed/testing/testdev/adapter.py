@@ -2,8 +2,8 @@
 
 It reaches the engine only through the public adapter contract: a subclass of the generic
 ``PrivateUse1Accelerator`` registered in the ``portspeed.adapters`` entry-point group (see
-pyproject.toml), whose vendor module is the test device package (imported only when this
-adapter is selected), declaring what its CCL lacks. ``auto_detect`` is False: the test
+pyproject.toml), whose vendor module is the test device's runtime (imported only when this
+adapter is selected; loading this module registers nothing), declaring what its CCL lacks. ``auto_detect`` is False: the test
 device is chosen only by name, ``PORTSPEED_ACCELERATOR=testdev``, so CPU runs never
 switch to it.
 """
@@ -27,7 +27,7 @@ class TestdevAccelerator(PrivateUse1Accelerator):
     name: ClassVar[str] = "testdev"
     device_type: ClassVar[str] = "testdev"
     backend: ClassVar[str] = "testccl"
-    vendor_modules: ClassVar[tuple[str, ...]] = ("portspeed.testing.testdev",)
+    vendor_modules: ClassVar[tuple[str, ...]] = ("portspeed.testing.testdev.runtime",)
     vendor_package: ClassVar[str | None] = "portspeed's test device (build: python -m portspeed.testing.testdev build)"
     auto_detect: ClassVar[bool] = False
     #: the gaps testccl (csrc/ccl.cpp) really has, so the router rewrites them

@@ -26,7 +26,7 @@ __all__ = [
 
 DEVICE_TYPE = "testdev"
 _PRIVATEUSE1 = 20  # c10::DeviceType::PrivateUse1
-_ext: Any = None  # set by portspeed.testing.testdev.register()
+_ext: Any = None  # set by portspeed.testing.testdev.runtime
 
 
 def _index(dev: Any = None) -> int:
