@@ -5,8 +5,9 @@ The script is unmodified DeepSpeed usage; the only portspeed line is the adaptor
 Every rank sees the same global batch of ``--global-batch`` samples per step and trains on
 its slice, so per-step losses are comparable across world sizes.
 
-Several runs (``--runs 0:fp32,3:bf16``: ZeRO stage and dtype) go through one process group,
-one fresh model and engine each. Rank 0 writes a JSON record::
+Several runs (``--runs 0:fp32,3:bf16,2:fp32:offload``: ZeRO stage, dtype, and optionally
+ZeRO-Offload of the optimizer to the host) go through one process group, one fresh model and
+engine each. Rank 0 writes a JSON record::
 
     {"world_size": 2, "backend": "gloo", "ds_accelerator": "PortspeedCpuAccelerator",
      "routes": [...], "runs": {"2:fp32": {"start_step": 0, "losses": [...]}, ...}}

@@ -52,8 +52,8 @@ if str(_HERE) not in sys.path:
 ALL_RUNS = "0:fp32,1:fp32,2:fp32,3:fp32,0:bf16,1:bf16,2:bf16,3:bf16"
 #: ZeRO-Offload runs (optimizer state and step on the host), only in the stock and test-device runs
 OFFLOAD_RUNS = "2:fp32:offload,3:fp32:offload"
-#: What runs on the test device in CI (ZeRO-3 bf16 has its own test: it needs a router rewrite)
-TESTDEV_RUNS = "1:fp32,2:fp32,3:fp32,1:bf16,2:bf16," + OFFLOAD_RUNS
+#: What runs on the test device in CI (3:bf16 meets a testccl gap the router rewrites)
+TESTDEV_RUNS = "1:fp32,2:fp32,3:fp32,1:bf16,2:bf16,3:bf16," + OFFLOAD_RUNS
 STEPS, SAVE_AT = 6, 3
 TOL = {"fp32": 1e-5, "bf16": 5e-3}
 TIMEOUT = 300.0
@@ -65,28 +65,20 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(tmp: Path, name: str, world: int, *args: str, env: dict[str, str] | None = None,
-            pre: str | None = None) -> tuple[dict[str, Any] | None, str]:
-    """Run the example on ``world`` ranks: rank 0's JSON record (None if a rank failed) and every rank's output."""
+def _train(tmp: Path, name: str, world: int, *args: str, env: dict[str, str] | None = None,
+           pre: str | None = None) -> dict[str, Any]:
+    """Run the example on ``world`` ranks; return rank 0's JSON record (fail with every rank's output)."""
     out = tmp / f"{name}.json"
     argv = [EXAMPLE, "--runs", ALL_RUNS, "--steps", str(STEPS), "--out", str(out), *args]
     if pre is not None:  # code to run first in each rank (e.g. select the stand-in adapter)
         argv = ["-c", pre + "\nimport runpy, sys\nsys.argv = sys.argv[1:]\n"
                 "runpy.run_path(sys.argv[0], run_name='__main__')", *argv]
     results = run_ranks(argv, world, timeout=TIMEOUT, env=env or _clean_env())
-    msg = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{_tail(r.stderr)}" for r in results)
-    if any(r.returncode != 0 for r in results) or not out.exists():
-        return None, msg
-    return json.loads(out.read_text()), msg
-
-
-def _train(tmp: Path, name: str, world: int, *args: str, env: dict[str, str] | None = None,
-           pre: str | None = None) -> dict[str, Any]:
-    """Run the example on ``world`` ranks; return rank 0's JSON record (fail with every rank's output)."""
-    record, msg = _launch(tmp, name, world, *args, env=env, pre=pre)
-    if record is None:
+    failed = [r for r in results if r.returncode != 0]
+    if failed or not out.exists():
+        msg = "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{_tail(r.stderr)}" for r in results)
         pytest.fail(f"{name}: the training run failed\n{msg}")
-    return record
+    return json.loads(out.read_text())
 
 
 def _tail(stderr: str, chars: int = 6000) -> str:
@@ -213,7 +205,7 @@ def _assert_within(got: list[float], ref: list[float], key: str, what: str) -> f
 
 @pytest.fixture(scope="module")
 def testdev_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """ZeRO 1-3 (fp32, bf16 where testccl has no gap, offload) on 2 test-device ranks through the adaptor."""
+    """ZeRO 1-3 (fp32, bf16, offload) on 2 test-device ranks through the adaptor."""
     return _train(tmp_path_factory.mktemp("ds_testdev"), "testdev", 2, "--runs", TESTDEV_RUNS,
                   env=_clean_env(**TESTDEV))
 
@@ -242,26 +234,12 @@ def test_testdev_zero_losses_match_stock_deepspeed_on_cpu(testdev_run: dict[str,
     print(f"{key}: test device vs stock CPU, worst relative difference {worst:.3g}")
 
 
-#: What testccl raises for a bf16 reduce-scatter (its declared gap)
-TESTCCL_BF16_GAP = "does not support bfloat16 in reduce_scatter_tensor"
-
-
 @pytest.mark.testdev
 @pytest.mark.multiproc
-def test_testdev_zero3_bf16_reduce_scatter_is_rewritten(runs: dict[str, Any], tmp_path: Path) -> None:
-    """ZeRO-3 bf16 reduce-scatters gradients in bf16, a testccl gap: the router must upcast it; then losses match CPU.
-
-    Until the router learns the test device's gaps from its adapter, the run stops at that
-    gap with testccl's own error: that (and only that) is reported as an expected failure.
-    """
-    record, msg = _launch(tmp_path, "testdev_zero3_bf16", 2, "--runs", "3:bf16", env=_clean_env(**TESTDEV))
-    if record is None:
-        assert TESTCCL_BF16_GAP in msg, f"ZeRO-3 bf16 on the test device failed for another reason:\n{msg}"
-        pytest.xfail("the router does not rewrite testccl's declared gap (bf16 reduce_scatter_tensor) yet: "
-                     "adapters cannot declare their CCL's gaps to it")
-    assert record["router_rewrites"]["reduce_scatter_tensor"]["by"].get("upcast", 0) > 0, record["router_rewrites"]
-    _assert_within(record["runs"]["3:bf16"]["losses"], runs["stock"]["runs"]["3:bf16"]["losses"], "3:bf16",
-                   "test device vs stock DeepSpeed on CPU")
+def test_testdev_zero3_bf16_reduce_scatter_is_rewritten(testdev_run: dict[str, Any]) -> None:
+    """ZeRO-3 bf16 reduce-scatters gradients in bf16, a declared testccl gap: the router upcasts them (parity: above)."""
+    rewrites = testdev_run["router_rewrites"]
+    assert rewrites.get("reduce_scatter_tensor", {}).get("by", {}).get("upcast", 0) > 0, rewrites
 
 
 @pytest.mark.testdev
