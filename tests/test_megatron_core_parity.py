@@ -206,13 +206,12 @@ def test_testdev_bf16_tp2_matches_cpu_bf16_tp1(init_ckpt: str) -> None:
 @pytest.mark.parametrize("first,second", [("testdev", "cpu"), ("cpu", "testdev")])
 def test_checkpoint_moves_between_cpu_and_testdev(first: str, second: str, init_ckpt: str, tp1: dict,
                                                   tmp_path) -> None:
-    """Saved on one device, resumed on the other (model + optimizer): iterations 6..10 equal the CPU run."""
+    """Saved on one device, resumed on the other (model + optimizer): iterations 6..10 equal the uninterrupted CPU run within 1e-6."""
     env = {"cpu": None, "testdev": TESTDEV}
     mid = str(tmp_path / "mid")
-    head = _run(2, ["--tp", "2", "--save", mid], init=init_ckpt, iters=5, env=env[first])
+    head = _run(1, ["--save", mid], init=init_ckpt, iters=5, env=env[first])
     _assert_close(head, {i: tp1[i] for i in range(1, 6)}, FP32_TOL, f"{first} first half")
-    res = torchrun(SCRIPT, 2, [*MODEL, "--tp", "2", "--iters", "5", "--load", mid], timeout=TIMEOUT,
-                   env=env[second]).check()
+    res = torchrun(SCRIPT, 1, [*MODEL, "--iters", "5", "--load", mid], timeout=TIMEOUT, env=env[second]).check()
     tail = parse_losses(res.stdout)
     assert sorted(tail) == list(range(6, 11)), f"resumed run printed iterations {sorted(tail)}"
-    _assert_close(tail, {i: tp1[i] for i in range(6, 11)}, FP32_TOL, f"saved on {first}, resumed on {second}")
+    _assert_close(tail, {i: tp1[i] for i in range(6, 11)}, 1e-6, f"saved on {first}, resumed on {second}")
