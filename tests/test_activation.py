@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.requires import require
+
 from helpers.launch import run_python
 
 # The framework package: its body records, while it runs, what it sees.
@@ -189,7 +191,7 @@ def test_other_modules_import_normally_while_waiting(tmp_path: Path) -> None:
 
 def test_megatron_import_sets_up_the_megatron_adaptor(tmp_path: Path) -> None:
     """With megatron-core: `import megatron.core.parallel_state` fires the set-up; Megatron's modules see the view."""
-    pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'portspeed[megatron]')")
+    require("megatron.core", "pip install 'portspeed[megatron]'")
     got = _json(_run('''
         import json
         import portspeed.megatron_adaptor, portspeed

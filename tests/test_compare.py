@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.requires import require
+
 from portspeed import compare as compare_cli
 from portspeed.losslog import LossRecord, read_record, record_from_json, write_record
 from portspeed.parity import (
@@ -269,7 +271,7 @@ def test_portspeed_command_dispatches_compare():
 
 def test_plot_written_when_matplotlib_present(tmp_path):
     """--plot writes a PNG of curves and differences."""
-    pytest.importorskip("matplotlib", reason="matplotlib not installed (pip install 'portspeed[plot]')")
+    require("matplotlib", "pip install 'portspeed[plot]'")
     png = tmp_path / "cmp.png"
     code, out, _ = run_cli(TP1, TP2, PP2_BAD, str(DATA / "megatron_fp32_tp1.log"), "--plot", str(png))
     assert code == 1

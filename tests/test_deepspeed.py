@@ -35,7 +35,9 @@ from typing import Any
 
 import pytest
 
-deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'portspeed[deepspeed]')")
+from helpers.requires import require
+
+deepspeed = require("deepspeed", "pip install 'portspeed[deepspeed]'")
 
 import torch  # noqa: E402
 
@@ -174,7 +176,7 @@ def test_nccl_request_runs_on_standin_backend_and_matches_gloo(runs: dict[str, A
 @pytest.mark.multiproc
 def test_megatron_deepspeed_style_run_matches(runs: dict[str, Any], tmp_path: Path) -> None:
     """Both adaptors, Megatron-Core's parallel state as DeepSpeed's mpu: same losses as DeepSpeed alone, bit for bit."""
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    require("megatron.core", "pip install 'portspeed[megatron]'")
     if not (ROOT / "portspeed" / "megatron_adaptor.py").exists():
         pytest.skip("portspeed.megatron_adaptor is not in this tree yet")
     keys = "2:bf16,3:fp32"

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'portspeed[megatron]')")
+from helpers.requires import require
+
+require("megatron.core", "pip install 'portspeed[megatron]'")
 
 from helpers.gpt_example import MODEL, SCRIPT  # noqa: E402
 from helpers.launch import torchrun  # noqa: E402

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.requires import require
+
 from portspeed import launch
 
 TIMEOUT = 180  # seconds; a hung launch fails instead of hanging CI
@@ -101,7 +103,7 @@ def test_two_workers_import_the_adaptor_then_run_the_script_as_main(probe: Path)
 @pytest.mark.multiproc
 def test_default_adaptor_is_the_megatron_adaptor(probe: Path) -> None:
     """Without --adaptor, workers import portspeed.megatron_adaptor (here with the script given as -m MODULE)."""
-    pytest.importorskip("megatron.core", reason="the Megatron adaptor needs megatron-core installed")
+    require("megatron.core", "pip install 'portspeed[megatron]'")
     if not _importable(launch.resolve_adaptor("megatron") or ""):
         pytest.skip("portspeed.megatron_adaptor is not part of this tree yet")
     out = probe / "out"

@@ -6,6 +6,8 @@ import io
 import json
 
 import pytest
+
+from helpers.requires import require
 import torch
 from torch import nn
 
@@ -131,7 +133,7 @@ def test_bad_arguments():
 def test_megatron_gpt_difference_is_located(tmp_path):
     """On a real megatron-core GPTModel (in a subprocess: the adaptor must not patch this test process),
     one changed weight in layer 1's MLP is named as the first differing module."""
-    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install 'portspeed[megatron]')")
+    require("megatron.core", "pip install 'portspeed[megatron]'")
     import os
     import subprocess
     import sys

@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'portspeed[megatron]')")
+from helpers.requires import require
+
+require("megatron.core", "pip install 'portspeed[megatron]'")
 
 from helpers.launch import run_python  # noqa: E402
 

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'portspeed[megatron]')")
+from helpers.requires import require
+
+require("megatron.core", "pip install 'portspeed[megatron]'")
 
 from helpers.gpt_example import MODEL, SCRIPT  # noqa: E402
 from helpers.launch import parse_losses, run_python, torchrun  # noqa: E402
