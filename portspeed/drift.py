@@ -17,8 +17,10 @@ compares a fingerprint of the target's source with the one recorded for that rel
 * ``unrecorded``: no fingerprint was ever recorded for the patch.
 
 What is hashed: the AST of the target's definition (its ``def`` or ``class`` statement, or
-the assignment that binds it), docstrings removed, dumped without line numbers: comments,
-formatting, docstrings and moves within the file do not count; any change to code does.
+the assignment that binds it), docstrings removed, written out field by field without line
+numbers and without empty fields (so the text is the same on Python 3.10 to 3.13, whose
+``ast.dump`` differ): comments, formatting, docstrings and moves within the file do not
+count; any change to code does.
 The first 16 hex digits of its SHA-256 are kept, per (patch, release), in
 ``portspeed/patches/megatron/fingerprints.py``.
 """
@@ -209,12 +211,31 @@ def _find(body: list[ast.stmt], path: tuple[str, ...]) -> ast.stmt | None:
     return _find(node.body, path[1:]) if isinstance(node, ast.ClassDef) else None
 
 
+def _canonical(node: Any) -> str:
+    """A dump of the AST that is the same on every Python: fields that are empty or None are left out.
+
+    ``ast.dump`` itself differs between versions (3.12 adds ``type_params=[]`` to every
+    def and class; 3.13 stops printing empty fields), so it cannot be the hashed text.
+    """
+    if isinstance(node, ast.AST):
+        parts = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or value == []:
+                continue
+            parts.append(f"{name}={_canonical(value)}")
+        return f"{type(node).__name__}({', '.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_canonical(v) for v in node) + "]"
+    return repr(node)
+
+
 def fingerprint(source: str, attr_path: tuple[str, ...]) -> str | None:
     """16 hex digits of SHA-256 over the target definition's AST (no docstrings, no positions); None if absent."""
     node = _find(ast.parse(source).body, attr_path)
     if node is None:
         return None
-    dump = ast.dump(_strip_docstrings(node), include_attributes=False)
+    dump = _canonical(_strip_docstrings(node))
     return hashlib.sha256(dump.encode()).hexdigest()[:16]
 
 
