@@ -29,6 +29,7 @@ def _main(kind: str) -> int:  # noqa: C901 - one list of checks, read top to bot
     import portspeed
     from portspeed import router
     from portspeed.capabilities import capabilities_for
+    from portspeed.conformance.reference import all_values, reduce_op as rop, reference as ref, values as data
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     kind, _, replay = kind.partition("+")  # "gloo+gloo@2.7": run on Gloo, follow torch 2.7's Gloo table
@@ -52,29 +53,8 @@ def _main(kind: str) -> int:  # noqa: C901 - one list of checks, read top to bot
             ok, detail = got == want, f"got {got!r} want {want!r}"
         results.append({"check": name, "ok": bool(ok), "detail": "" if ok else detail})
 
-    def data(r: int, shape: tuple, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
-        numel = 1
-        for s in shape:
-            numel *= s
-        return ((torch.arange(numel) * 3 + r * 5 + salt) % 4 + 1).reshape(shape).to(dtype)
-
     def everyone(shape: tuple, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
-        return torch.stack([data(r, shape, torch.float64, salt) for r in range(n)])
-
-    def ref(op: str, stacked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        f = {"SUM": lambda s: s.sum(0), "AVG": lambda s: s.mean(0), "MAX": lambda s: s.amax(0),
-             "MIN": lambda s: s.amin(0), "PRODUCT": lambda s: s.prod(0), "PREMUL": lambda s: (s * 0.5).sum(0)}
-        if op in ("BAND", "BOR", "BXOR"):
-            fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
-            ints = stacked.to(torch.int64)
-            out = ints[0]
-            for t in ints[1:]:
-                out = fn(out, t)
-            return out.to(dtype)
-        return f[op](stacked).to(dtype)
-
-    def rop(op: str) -> object:
-        return dist._make_nccl_premul_sum(0.5) if op == "PREMUL" else getattr(dist.ReduceOp, op)
+        return all_values(n, shape, salt)
 
     R = dist.ReduceOp
     timeout = datetime.timedelta(seconds=60)

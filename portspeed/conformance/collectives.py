@@ -32,6 +32,8 @@ def rank_main() -> int:  # noqa: C901 - one list of checks, read top to bottom
     from portspeed import router
     from portspeed.patches.torch_distributed import PATCHES
 
+    from .reference import all_values as everyone_n, reduce_op as rop, reference as ref, values as host
+
     acc = portspeed.get_accelerator()
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     acc.set_device(rank)
@@ -43,6 +45,9 @@ def rank_main() -> int:  # noqa: C901 - one list of checks, read top to bottom
     results: list[dict[str, Any]] = []
     R = dist.ReduceOp
 
+    def everyone(shape: tuple, salt: int = 0) -> Any:
+        return everyone_n(n, shape, salt)
+
     def check(name: str, got: Any, want: Any) -> None:
         got = got.cpu() if isinstance(got, torch.Tensor) else got
         if isinstance(got, torch.Tensor):
@@ -52,25 +57,8 @@ def rank_main() -> int:  # noqa: C901 - one list of checks, read top to bottom
             ok, detail = got == want, f"got {got!r} want {want!r}"
         results.append({"check": name, "ok": bool(ok), "detail": detail})
 
-    def host(r: int, shape: tuple, dtype: Any, salt: int = 0) -> Any:
-        numel = 1
-        for s in shape:
-            numel *= s
-        return ((torch.arange(numel) * 3 + r * 5 + salt) % 4 + 1).reshape(shape).to(dtype)
-
     def data(r: int, shape: tuple, dtype: Any, salt: int = 0) -> Any:
         return host(r, shape, dtype, salt).to(dev)
-
-    def everyone(shape: tuple, salt: int = 0) -> Any:
-        return torch.stack([host(r, shape, torch.float64, salt) for r in range(n)])
-
-    def ref(op: str, stacked: Any, dtype: Any) -> Any:
-        f = {"SUM": lambda s: s.sum(0), "AVG": lambda s: s.mean(0), "MAX": lambda s: s.amax(0),
-             "PREMUL": lambda s: (s * 0.5).sum(0)}[op]
-        return f(stacked).to(dtype)
-
-    def rop(op: str) -> Any:
-        return dist._make_nccl_premul_sum(0.5) if op == "PREMUL" else getattr(R, op)
 
     shape, full = (3, 4), (n * 3, 4)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):

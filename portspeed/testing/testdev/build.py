@@ -25,7 +25,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterator
 
-__all__ = ["EXTENSION_NAME", "SOURCES", "build_dir", "load_extension"]
+__all__ = ["EXTENSION_NAME", "SOURCES", "TestdevBuildError", "build_dir", "load_extension"]
+
+
+class TestdevBuildError(ImportError):
+    """The test device's extension could not be built or loaded.
+
+    An ImportError, as a vendor package that fails to import raises: portspeed's adapter
+    selection then reports it once, naming the adapter and what to install.
+    """
 
 EXTENSION_NAME = "portspeed_testdev_ext"
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -54,7 +62,7 @@ def build_dir() -> Path:
                 return path
         except OSError as exc:
             last_error = exc
-    raise OSError(
+    raise TestdevBuildError(
         f"no writable build folder for the portspeed test device (tried {', '.join(map(str, candidates))}); "
         "set PORTSPEED_TESTDEV_BUILD_DIR to a writable folder"
     ) from last_error
@@ -135,7 +143,7 @@ def _build(folder: Path, verbose: bool) -> None:
             verbose=verbose,
         )
     except (RuntimeError, OSError, ImportError) as exc:
-        raise RuntimeError(
+        raise TestdevBuildError(
             f"building the portspeed test device failed: {exc}\n"
             "It needs the system C++ compiler (g++) and ninja (pip install ninja); "
             "run `python -m portspeed.testing.testdev build --verbose` to see the compiler output."

@@ -115,8 +115,17 @@ def get_device_capability(dev: Any = None) -> tuple[int, int]:
 
 # ---- random numbers: one generator per device, separate from the host's
 class _Generators:
+    """``default_generators``: one Python object per device, made once (Megatron's RNG tracker
+    gets and sets these states several times a step)."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, torch.Generator] = {}
+
     def __getitem__(self, i: int) -> torch.Generator:
-        return _ext.default_generator(int(i))
+        gen = self._made.get(i)
+        if gen is None:
+            gen = self._made[int(i)] = _ext.default_generator(int(i))
+        return gen
 
     def __len__(self) -> int:
         return device_count()
