@@ -88,6 +88,7 @@ class CpuAccelerator(Accelerator):
     name = "cpu"
     device_type = "cpu"
     backend = "gloo"
+    device_is_host = True
     verified_on_hardware = True
 
     def __init__(self, backend: str | None = None) -> None:

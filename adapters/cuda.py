@@ -23,6 +23,7 @@ class CudaAccelerator(Accelerator):
     device_type = "cuda"
     backend = "nccl"
     vendor_package = "torch (CUDA or ROCm build)"
+    runs_cuda_natively = True
 
     @classmethod
     def load_vendor(cls) -> None:

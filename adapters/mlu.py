@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.capabilities import BITWISE_OPS, REDUCING_COLLECTIVES, BackendGaps
+from portspeed.comm.capabilities import BITWISE_OPS, REDUCING_COLLECTIVES, BackendGaps
 
 __all__ = ["MluAccelerator"]
 

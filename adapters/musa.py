@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.capabilities import REDUCING_COLLECTIVES, BackendGaps
+from portspeed.comm.capabilities import REDUCING_COLLECTIVES, BackendGaps
 
 __all__ = ["MusaAccelerator"]
 

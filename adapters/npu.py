@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.capabilities import BITWISE_OPS, BackendGaps
+from portspeed.comm.capabilities import BITWISE_OPS, BackendGaps
 
 __all__ = ["NpuAccelerator"]
 

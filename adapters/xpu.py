@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.capabilities import BITWISE_OPS, BackendGaps
+from portspeed.comm.capabilities import BITWISE_OPS, BackendGaps
 from portspeed.errors import MissingVendorPackageError
 
 __all__ = ["XpuAccelerator"]

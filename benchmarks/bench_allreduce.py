@@ -35,7 +35,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import portspeed
-    from portspeed import router
+    from portspeed.comm import router
     from portspeed.adapters.cpu import CpuAccelerator
     from portspeed.patches.torch_distributed import PATCHES
 

@@ -23,8 +23,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from portspeed.manager import PatchManager
-from portspeed.patch import Patch
+from portspeed.patching.manager import PatchManager
+from portspeed.patching.record import Patch
 
 PKG = "bench_apply_synth"
 

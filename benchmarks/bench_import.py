@@ -2,7 +2,7 @@
 
 A: ``python -c "import torch"``; B: ``python -c "import torch, portspeed.megatron_adaptor"``.
 Goal for B - A: +20 ms or less. The adaptor's set-up is deferred to the framework's first
-import (portspeed.activation), so with ``--framework megatron.core`` (the default when it
+import (portspeed.integrations.activation), so with ``--framework megatron.core`` (the default when it
 is installed) two more arms show what that set-up adds there, where a training process
 pays it: C: ``import torch, megatron.core``; D: ``import torch, portspeed.megatron_adaptor,
 megatron.core``. D - C is the whole cost portspeed adds to the imports of a Megatron run.
@@ -76,11 +76,11 @@ t1 = T()
 import MODULE
 spent["import MODULE (after portspeed)"] = (T() - t1) * 1e3
 spent["import total after torch"] = (T() - t0) * 1e3
-# The set-up the framework's first import runs (portspeed.activation), in parts: first the
+# The set-up the framework's first import runs (portspeed.integrations.activation), in parts: first the
 # modules it loads, then its steps, timed through wrappers put on them here.
 t2 = T()
 import importlib
-for name in ("wrapt", "packaging.specifiers", "portspeed.accelerator", "portspeed.translation",
+for name in ("wrapt", "packaging.specifiers", "portspeed.accelerator", "portspeed.accelerator.translation",
              "portspeed.patches.torch_cuda", "portspeed.patches.torch_distributed",
              "portspeed.patches.megatron", "portspeed.patches.deepspeed"):
     try:
@@ -88,14 +88,14 @@ for name in ("wrapt", "packaging.specifiers", "portspeed.accelerator", "portspee
     except ImportError:
         pass
 spent["  loading the modules it uses (wrapt, packaging, portspeed's)"] = (T() - t2) * 1e3
-mm = sys.modules["portspeed.manager"]
+mm = sys.modules["portspeed.patching.manager"]
 timed(mm.PatchManager, "apply", "  PatchManager.apply")
 timed(mm.PatchManager, "_sweep", "    of which rebinding sweep")
 timed(mm.PatchManager, "_gate", "    of which gating (versions, conditions)")
-timed(sys.modules["portspeed.translation"], "enable", "  translation.enable (adapter selection inside)")
+timed(sys.modules["portspeed.accelerator.translation"], "enable", "  translation.enable (adapter selection inside)")
 acc = sys.modules["portspeed.accelerator"]
 timed(acc, "_entry_point_adapters", "    of which entry-point scans")
-from portspeed import activation
+from portspeed.integrations import activation
 activation.activate_waiting()
 spent["set-up at the framework's first import"] = (T() - t2) * 1e3
 spent["full (gen-2) garbage collections inside"] = gc_ms[0]
@@ -128,7 +128,7 @@ def _breakdown(module: str, env: dict[str, str]) -> None:
     for label in order + [k for k in ms if k not in order]:
         if label in ms:
             print(f"  {label:64} {ms[label]:7.1f}")
-    print("  (the set-up runs here through portspeed.activation.activate_waiting(), as the framework's first "
+    print("  (the set-up runs here through portspeed.integrations.activation.activate_waiting(), as the framework's first "
           "import would run it; a full GC lands inside whichever step allocates when the threshold is crossed)")
     if data["headroom"] is not None:
         print(f"  after the import, {data['headroom']} more container allocations set off the next full GC "

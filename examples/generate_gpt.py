@@ -42,7 +42,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 
 import portspeed
-from portspeed import router as ps_router
+from portspeed.comm import router as ps_router
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain_gpt  # noqa: E402  (the model, its flags, its checkpoint layout)

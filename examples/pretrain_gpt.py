@@ -13,7 +13,7 @@ must print the same losses. ``--fail-at RANK:ITER`` makes one rank die there (fa
 
 Parity tooling: ``--layer-stats ITER --layer-stats-out FILE`` records per-module activation
 and gradient statistics of iteration ITER (``portspeed compare --layers A B``); the loss
-record's ``meta["router_rewrites"]`` holds ``portspeed.router.stats()`` (collectives the
+record's ``meta["router_rewrites"]`` holds ``portspeed.comm.router.stats()`` (collectives the
 router rewrote because the backend lacks them), also printed at the end.
 ``--plant-divergence ITER`` is TEST-ONLY (portspeed.testing.plant): it makes training
 wrong on purpose from ITER on, so tests can prove the tools catch it.
@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from portspeed import config as ps_config
 from portspeed import get_accelerator
-from portspeed import router as ps_router
+from portspeed.comm import router as ps_router
 from portspeed.megatron_adaptor import open_loss_log
 
 
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     model, optimizer, config, start = setup(args)
     recorder = None
     if args.layer_stats is not None:
-        from portspeed.layerstats import LayerStatsRecorder
+        from portspeed.parity.layerstats import LayerStatsRecorder
 
         recorder = LayerStatsRecorder(model, iterations=[args.layer_stats], path=args.layer_stats_out,
                                       meta={"iteration": args.layer_stats, "backend": dist.get_backend()})

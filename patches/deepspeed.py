@@ -1,7 +1,7 @@
 """DeepSpeed patches: only what DeepSpeed's accelerator hook does not cover.
 
 DeepSpeed already asks ``get_accelerator()`` for its device and its default collective
-backend, so the accelerator object portspeed injects (``portspeed.ds_accelerator``) does
+backend, so the accelerator object portspeed injects (``portspeed.integrations.ds_accelerator``) does
 most of the port. Two things remain, declared here:
 
 - ``deepspeed.accelerator`` (built by ``accelerator_patch`` once DeepSpeed is imported,
@@ -16,7 +16,7 @@ most of the port. Two things remain, declared here:
   AzureML / SageMaker discovery, wrapping an already initialised torch.distributed) runs
   unchanged. The route taken is written into this patch's report entry.
 
-Backend names are mapped by the collective router (``portspeed.router.map_backend``) when
+Backend names are mapped by the collective router (``portspeed.comm.router.map_backend``) when
 it is installed; without it, by the minimal rule in ``route_backend`` below. When the
 router's own ``init_process_group`` patch is active the requested name is passed on
 untouched, so the router can keep it as the group's requested name (``get_backend()``
@@ -31,7 +31,7 @@ import threading
 from typing import Any, Callable
 
 from portspeed.accelerator import get_accelerator
-from portspeed.patch import REPLACE, WRAP, Patch
+from portspeed.patching.record import REPLACE, WRAP, Patch
 
 __all__ = ["PATCHES", "DISTRIBUTION", "VERSIONS", "accelerator_patch", "route_backend", "routes"]
 
@@ -54,11 +54,11 @@ _routes: list[dict[str, Any]] = []
 
 
 def _router() -> Any:
-    """``portspeed.router`` when it is installed, else None."""
+    """``portspeed.comm.router`` when it is installed, else None."""
     try:
-        return importlib.import_module("portspeed.router")
+        return importlib.import_module("portspeed.comm.router")
     except ModuleNotFoundError as exc:
-        if exc.name != "portspeed.router":
+        if exc.name != "portspeed.comm.router":
             raise
         return None
 
@@ -73,7 +73,7 @@ def _router_patch_applied() -> bool:
 def route_backend(requested: str | None) -> str | None:
     """The backend a ``dist_backend`` request runs on, on the active adapter.
 
-    With the collective router installed this is ``portspeed.router.map_backend``. Without
+    With the collective router installed this is ``portspeed.comm.router.map_backend``. Without
     it, the minimal rule: None stays None (DeepSpeed then asks the accelerator, which
     answers the adapter's backend); a device-family backend (``nccl``, ``hccl``...) other
     than the adapter's becomes the adapter's backend; anything else (``gloo``, ``mpi``, a
@@ -140,7 +140,7 @@ def _init_distributed(wrapped: Callable[..., Any], instance: Any, args: tuple, k
         elif _router_patch_applied():
             # Pass the requested name on: the router's init_process_group maps it and keeps
             # it as the group's requested name, so get_backend() == 'nccl' checks still hold.
-            how = "mapped by portspeed.router at init_process_group"
+            how = "mapped by portspeed.comm.router at init_process_group"
         elif used != requested:
             how = "mapped here (the router's init_process_group patch is not active)"
             if args:

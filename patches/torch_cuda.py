@@ -7,7 +7,7 @@ because torch itself calls them constantly and a wrapt wrapper costs ~1.5 us per
 rarely called ones are wrapped).
 Each wrapper translates only when (a) the adapter is not CUDA (the ``when`` condition:
 on a CUDA adapter these patches are inactive), (b) the call names CUDA and (c) the
-caller is a framework module (see ``portspeed.translation.is_framework_module``). The
+caller is a framework module (see ``portspeed.accelerator.translation.is_framework_module``). The
 caller's frame is looked at only after (a) and (b) hold, so the common path costs a type
 check per argument. Everything else gets torch's own behaviour, errors included.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from portspeed.accelerator import Accelerator, get_accelerator
-from portspeed.patch import REPLACE, WRAP, Patch
-from portspeed.translation import caller_is_framework, names_cuda, translate_device
+from portspeed.patching.record import REPLACE, WRAP, Patch
+from portspeed.accelerator.translation import caller_is_framework, names_cuda, translate_device
 
 __all__ = ["PATCHES", "cuda_type_string", "local_type_string", "tensor_to", "tensor_type"]
 

@@ -1,4 +1,4 @@
-"""torch.distributed entry points routed through ``portspeed.router``.
+"""torch.distributed entry points routed through ``portspeed.comm.router``.
 
 Group creation maps the backend a framework asks for (``nccl``, ``cpu:gloo,cuda:nccl``)
 to the active adapter's backend; ``get_backend`` reports the requested name back to
@@ -10,8 +10,8 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 
 from __future__ import annotations
 
-from portspeed.patch import WRAP, Patch
-from portspeed import router
+from portspeed.patching.record import WRAP, Patch
+from portspeed.comm import router
 
 __all__ = ["PATCHES"]
 

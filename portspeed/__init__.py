@@ -15,13 +15,13 @@ import logging as _logging
 import threading as _threading
 from typing import TYPE_CHECKING, Any
 
-from . import manager as _manager_module  # before `def manager` below, which must win the name
-from .errors import PortspeedError
+from portspeed.patching import manager as _patch_manager
+from portspeed.errors import PortspeedError
 
 if TYPE_CHECKING:
-    from .accelerator import Accelerator, get_accelerator, set_accelerator
-    from .manager import PatchManager
-    from .patch import REPLACE, WRAP, Patch
+    from portspeed.accelerator import Accelerator, get_accelerator, set_accelerator
+    from portspeed.patching.manager import PatchManager
+    from portspeed.patching.record import REPLACE, WRAP, Patch
 
 __all__ = [
     "Accelerator",
@@ -45,13 +45,13 @@ _logging.getLogger("portspeed").addHandler(_logging.NullHandler())
 #: imports this package) loads nothing it does not need yet (docs/benchmarks.md, import).
 _LAZY = {
     "Accelerator": "accelerator", "get_accelerator": "accelerator", "set_accelerator": "accelerator",
-    "Patch": "patch", "REPLACE": "patch", "WRAP": "patch",
+    "Patch": "patching.record", "REPLACE": "patching.record", "WRAP": "patching.record",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name == "PatchManager":
-        return _manager_module.PatchManager
+        return _patch_manager.PatchManager
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'portspeed' has no attribute {name!r}")
@@ -76,7 +76,7 @@ def manager() -> "PatchManager":
     if _manager is None:
         with _manager_lock:
             if _manager is None:
-                _manager = _manager_module.PatchManager()
+                _manager = _patch_manager.PatchManager()
     return _manager
 
 
@@ -84,9 +84,9 @@ def report(deep: bool = False) -> list[dict]:
     """Every patch of the process-wide manager with its status; ``deep`` also lists unrebindable references.
 
     An adaptor whose set-up still waits for its framework's first import
-    (``portspeed.activation``) is set up first, so the report shows what will be patched.
+    (``portspeed.integrations.activation``) is set up first, so the report shows what will be patched.
     """
-    from .activation import activate_waiting
+    from portspeed.integrations.activation import activate_waiting
 
     activate_waiting()
     return manager().report(deep=deep)

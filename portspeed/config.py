@@ -21,7 +21,7 @@ import os
 import re
 from typing import Mapping
 
-from .errors import ConfigError
+from portspeed.errors import ConfigError
 
 __all__ = ["Settings", "settings", "reload", "parse_bool", "parse_names"]
 

@@ -1,151 +1,18 @@
 """Import this (before or after Megatron: order does not matter) to run Megatron on the active adapter.
 
-Importing it validates the PORTSPEED_* environment and arranges for ``activate()`` to run
-when the first framework module (``megatron``, or a prefix in PORTSPEED_FRAMEWORK_MODULES)
-is imported, before that module's code runs; at once when Megatron is already imported
-(``portspeed.activation``). ``activate()``
-- scopes the torch / torch.cuda translation onto Megatron's modules
-  (``portspeed.translation.enable``; nothing is translated on a CUDA adapter);
-- registers the torch_cuda patches, every Megatron patch (``portspeed.patches.megatron``)
-  and the collective router (``portspeed.patches.torch_distributed``) into
-  ``portspeed.manager()`` and applies them (lazily: a patch whose module is not imported
-  yet waits for its import).
+The public entry point, as ``mindspeed.megatron_adaptor`` is for MindSpeed::
 
-It never imports Megatron itself. ``portspeed.report()`` lists what was applied (and sets
-up first if Megatron was not imported yet). A program that calls ``torch.distributed``
-with a backend the device lacks (``init_process_group("nccl")`` on CPU) *before* importing
-Megatron calls ``portspeed.megatron_adaptor.activate()`` first.
+    import portspeed.megatron_adaptor   # at the top of the stock pretrain_gpt.py
 
-Also here: ``open_loss_log``, a writer of the JSON loss record (``PORTSPEED_LOSS_LOG`` or an
-explicit path; format owned by ``portspeed.losslog``) that the compare tool reads::
-
-    {"meta": {"backend", "accelerator", "layout": {"tp", "pp", "dp", "vpp"}, "dtype", "versions"},
-     "iterations": [{"iteration": n, "lm_loss": x, "grad_norm": y, "skipped": false}]}
+Importing it validates the PORTSPEED_* environment (a bad value fails here) and arranges
+for ``activate()`` to run just before Megatron's first module loads (at once when Megatron
+is already imported). What ``activate()`` does, and the loss-record helpers, live in
+``portspeed.integrations.megatron``; this module only names them.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
-
-from portspeed import activation, config, framework_modules
-
-if TYPE_CHECKING:
-    from portspeed.patch import Patch
+from portspeed.integrations.megatron import (activate, deactivate, loss_record_meta, megatron_patches, note_fallback,
+                                             open_loss_log)
 
 __all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "note_fallback", "open_loss_log"]
-
-log = logging.getLogger("portspeed.megatron")
-
-_fallbacks_noted: set[str] = set()
-
-
-def note_fallback(feature: str, reason: str) -> None:
-    """Log once per process that a CUDA-kernel default fell back to its torch path."""
-    if feature in _fallbacks_noted:
-        return
-    _fallbacks_noted.add(feature)
-    from portspeed.accelerator import get_accelerator
-
-    log.warning("portspeed: %s has no %s kernel; using the torch path (%s)",
-                feature, get_accelerator().name, reason)
-
-
-def megatron_patches() -> list[Patch]:
-    """torch_cuda + router + Megatron patches, in registration order."""
-    from portspeed.patches import torch_cuda, torch_distributed
-    from portspeed.patches.megatron import all_patches
-
-    return [*torch_cuda.PATCHES, *torch_distributed.PATCHES, *all_patches()]
-
-
-class _UnlessRootHandles(logging.StreamHandler):
-    """stderr output for portspeed records, silent once the root logger has a handler of its own.
-
-    Megatron configures the root logger after the adaptor is imported; records propagate
-    there too, and writing them here as well would print every line twice.
-    """
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if any(not isinstance(h, logging.NullHandler) for h in logging.getLogger().handlers):
-            return
-        super().emit(record)
-
-
-def _ensure_log_output() -> None:
-    """Make portspeed's own warnings (fallbacks, dropped options) visible on stderr at PORTSPEED_LOG_LEVEL.
-
-    The package logger only has a NullHandler; an application that configured logging
-    itself (any non-Null handler on "portspeed" or the root logger) is left alone.
-    """
-    plog = logging.getLogger("portspeed")
-    if any(not isinstance(h, logging.NullHandler) for h in plog.handlers + logging.getLogger().handlers):
-        return
-    handler = _UnlessRootHandles()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    plog.addHandler(handler)
-    plog.setLevel(config.settings().log_level)
-
-
-def activate() -> None:
-    """Enable the scoped translation and register + apply the patch set (idempotent)."""
-    import portspeed
-    from portspeed import translation
-
-    activation.cancel(__name__)
-    _ensure_log_output()
-    translation.enable()
-    from portspeed.patches.megatron import training_imports
-
-    training_imports.install()  # import finders for two modules that cannot import off CUDA
-    mgr = portspeed.manager()
-    mgr.register(megatron_patches())
-    mgr.apply()
-
-
-def deactivate() -> None:
-    """Revert what ``activate`` did (tests)."""
-    import portspeed
-    from portspeed import translation
-
-    activation.cancel(__name__)
-    portspeed.manager().revert()
-    translation.disable()
-    from portspeed.patches.megatron import training_imports
-
-    training_imports.uninstall()
-
-
-def loss_record_meta(layout: dict[str, Any], dtype: str, backend: str | None = None) -> dict[str, Any]:
-    """The ``meta`` block of a loss record for this process (adapter, backend, versions)."""
-    from portspeed.accelerator import get_accelerator
-    from portspeed.versions import distribution_version
-
-    acc = get_accelerator()
-    versions = {}
-    for d in ("torch", "megatron-core", "portspeed"):
-        v = distribution_version(d)
-        versions[d] = None if v is None else str(v)
-    return {
-        "backend": backend or acc.communication_backend,
-        "accelerator": acc.name,
-        "layout": {k: (None if layout.get(k) is None else int(layout[k])) for k in ("tp", "pp", "dp", "vpp")},
-        "dtype": dtype,
-        "versions": versions,
-    }
-
-
-def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend: str | None = None) -> Any:
-    """A ``portspeed.losslog.LossRecordWriter`` for ``path`` (or PORTSPEED_LOSS_LOG); None when neither is set."""
-    path = path or config.settings().loss_log
-    if not path:
-        return None
-    from portspeed.losslog import LossRecordWriter
-
-    return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend))
-
-
-# A bad PORTSPEED_* value fails here, at the import, not at Megatron's (and a bad
-# PORTSPEED_FRAMEWORK_MODULES too: defer() reads the prefixes at once).
-config.settings()
-activation.defer(__name__, framework_modules.framework_prefixes, activate)

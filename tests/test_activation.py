@@ -22,7 +22,7 @@ from helpers.launch import run_python
 FRAMEWORK_INIT = '''
 import sys, torch
 import portspeed
-from portspeed import translation
+from portspeed.accelerator import translation
 SEEN_AT_IMPORT = {
     "translation_enabled": translation.enabled(),
     "torch_is_view": torch is translation.torch_view(),
@@ -54,13 +54,14 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
         import json, sys, torch, torch.distributed as dist
         before = dist.all_reduce
         import portspeed.megatron_adaptor, portspeed
-        from portspeed import activation
+        from portspeed.integrations import activation
         print(json.dumps({
             "waiting": activation.waiting(),
             "first_finder": repr(sys.meta_path[0]),
             "records": len(portspeed.manager().records()),
-            "translation": "portspeed.translation" in sys.modules,
-            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.router", "portspeed.accelerator")
+            "translation": "portspeed.accelerator.translation" in sys.modules,
+            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router", "portspeed.accelerator.contract",
+                                          "portspeed.accelerator.selection")
                             if m in sys.modules),
             "all_reduce_untouched": dist.all_reduce is before,
         }))
@@ -76,11 +77,11 @@ def test_first_framework_import_sets_up_before_its_body_runs(tmp_path: Path) -> 
     got = _json(_run('''
         import json, sys, torch.distributed as dist
         import portspeed.megatron_adaptor, portspeed
-        from portspeed import activation
+        from portspeed.integrations import activation
         import fw_pkg.sub
         print(json.dumps({
             "seen": fw_pkg.SEEN_AT_IMPORT,
-            "sub_torch_is_view": fw_pkg.sub.torch is sys.modules["portspeed.translation"].torch_view(),
+            "sub_torch_is_view": fw_pkg.sub.torch is sys.modules["portspeed.accelerator.translation"].torch_view(),
             "waiting": activation.waiting(),
             "triggers_left": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)],
             "all_reduce_routed": hasattr(dist.all_reduce, "__wrapped__"),
@@ -100,7 +101,8 @@ def test_adaptor_after_framework_sets_up_at_once(tmp_path: Path) -> None:
         import json, sys
         import fw_pkg
         import portspeed.megatron_adaptor
-        from portspeed import activation, translation
+        from portspeed.integrations import activation
+        from portspeed.accelerator import translation
         print(json.dumps({"waiting": activation.waiting(), "enabled": translation.enabled(),
                           "torch_is_view": fw_pkg.torch is translation.torch_view(),
                           "seen_view_at_import": fw_pkg.SEEN_AT_IMPORT["torch_is_view"]}))
@@ -113,7 +115,7 @@ def test_report_sets_up_a_waiting_adaptor(tmp_path: Path) -> None:
     got = _json(_run('''
         import json, sys
         import portspeed.megatron_adaptor, portspeed
-        from portspeed import activation
+        from portspeed.integrations import activation
         status = {r["name"]: r["status"] for r in portspeed.report()}
         print(json.dumps({"waiting": activation.waiting(), "status": status,
                           "megatron_imported": "megatron" in sys.modules}))
@@ -128,7 +130,7 @@ def test_explicit_activate_cancels_the_trigger(tmp_path: Path) -> None:
     got = _json(_run('''
         import json, sys
         import portspeed.megatron_adaptor as ad, portspeed
-        from portspeed import activation
+        from portspeed.integrations import activation
         ad.activate()
         n = len(portspeed.manager().records())
         import fw_pkg
@@ -153,7 +155,8 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
     got = _json(_run('''
         import json, os
         import portspeed.megatron_adaptor as ad
-        from portspeed import activation, config
+        from portspeed import config
+        from portspeed.integrations import activation
         try:
             import fw_pkg
         except Exception as exc:
@@ -167,7 +170,7 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
         accelerator.reset_accelerator()
         ad.activate()
         import fw_pkg
-        from portspeed import translation
+        from portspeed.accelerator import translation
         print(json.dumps({"first": first, "waiting_after": waiting_after,
                           "then": fw_pkg.torch is translation.torch_view()}))
     ''', tmp_path, env={"PORTSPEED_ACCELERATOR": "tpu"}))
@@ -182,7 +185,7 @@ def test_other_modules_import_normally_while_waiting(tmp_path: Path) -> None:
     got = _json(_run('''
         import json
         import portspeed.megatron_adaptor
-        from portspeed import activation
+        from portspeed.integrations import activation
         import fw_pkg_other, email.parser, torch.nn.functional
         print(json.dumps({"waiting": activation.waiting(), "value": fw_pkg_other.VALUE}))
     ''', tmp_path))
@@ -195,10 +198,10 @@ def test_megatron_import_sets_up_the_megatron_adaptor(tmp_path: Path) -> None:
     got = _json(_run('''
         import json
         import portspeed.megatron_adaptor, portspeed
-        from portspeed import activation
+        from portspeed.integrations import activation
         waiting = activation.waiting()
         import megatron.core.parallel_state as ps
-        from portspeed import translation
+        from portspeed.accelerator import translation
         status = {r["name"]: r["status"] for r in portspeed.report()}
         print(json.dumps({"before": waiting, "after": activation.waiting(),
                           "view": ps.torch is translation.torch_view(),
@@ -212,7 +215,7 @@ def test_deepspeed_adaptor_waits_for_deepspeed(tmp_path: Path) -> None:
     got = _json(_run('''
         import json, sys
         import portspeed.deepspeed_adaptor, portspeed.megatron_adaptor
-        from portspeed import activation
+        from portspeed.integrations import activation
         waiting = activation.waiting()
         import fw_pkg
         print(json.dumps({"before": waiting, "after": activation.waiting()}))
@@ -229,7 +232,7 @@ def test_a_framework_import_in_another_thread_waits_for_the_set_up(tmp_path: Pat
     import sys
     import threading
 
-    from portspeed import activation
+    from portspeed.integrations import activation
 
     for name in ("slowfw_one", "slowfw_two"):
         (tmp_path / f"{name}.py").write_text("from portspeed_test_state import STATE\nSEEN = dict(STATE)\n")

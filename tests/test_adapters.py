@@ -39,7 +39,7 @@ from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, 
 from portspeed import config  # noqa: E402
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
 from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator  # noqa: E402
-from portspeed.capabilities import check_backend_name  # noqa: E402
+from portspeed.comm.capabilities import check_backend_name  # noqa: E402
 from portspeed.errors import MissingVendorPackageError, UnknownBackendError, UnsupportedCudaCallError  # noqa: E402
 
 ADAPTERS = ("cpu", "cuda", "npu", "xpu", "mlu", "musa", "hpu")

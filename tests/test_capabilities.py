@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from portspeed.accelerator import adapter_class
-from portspeed.capabilities import (
+from portspeed.comm.capabilities import (
     KNOWN_BACKENDS,
     ROUTED_COLLECTIVES,
     BackendGaps,

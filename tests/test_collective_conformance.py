@@ -27,8 +27,8 @@ def _main(kind: str) -> int:  # noqa: C901 - one list of checks, read top to bot
     import torch.distributed as dist
 
     import portspeed
-    from portspeed import router
-    from portspeed.capabilities import capabilities_for
+    from portspeed.comm import router
+    from portspeed.comm.capabilities import capabilities_for
     from portspeed.conformance.reference import all_values, reduce_op as rop, reference as ref, values as data
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -14,9 +14,9 @@ import pytest
 
 from helpers.requires import require
 
-from portspeed import compare as compare_cli
-from portspeed.losslog import LossRecord, read_record, record_from_json, write_record
-from portspeed.parity import (
+from portspeed.parity import compare as compare_cli
+from portspeed.parity.losslog import LossRecord, read_record, record_from_json, write_record
+from portspeed.parity.tolerance import (
     DEFAULT_TOLERANCES,
     ParityInputError,
     Tolerance,

@@ -164,7 +164,7 @@ def test_nccl_request_runs_on_standin_backend_and_matches_gloo(runs: dict[str, A
     rec = _train(tmp_path, "standin", 2, "--runs", "2:fp32,2:bf16", "--dist-backend", "nccl", pre=pre)
     assert rec["real_backend"] == "standin"
     assert rec["backend"] == "nccl"  # what the script asked for, reported back (router's two-way names)
-    assert {"requested": "nccl", "used": "standin", "how": "mapped by portspeed.router at init_process_group"} \
+    assert {"requested": "nccl", "used": "standin", "how": "mapped by portspeed.comm.router at init_process_group"} \
         in rec["routes"]
     for key in ("2:fp32", "2:bf16"):
         got, ref = rec["runs"][key]["losses"], runs["ported"]["runs"][key]["losses"]
@@ -354,7 +354,7 @@ def test_mpi_discovery_still_runs_and_nccl_is_routed() -> None:
         import portspeed.deepspeed_adaptor, portspeed, deepspeed
         import deepspeed.comm.comm as ds_comm
         import torch.distributed as dist
-        from portspeed import router
+        from portspeed.comm import router
         calls = []
         def fake_mpi_discovery(distributed_port=29500, verbose=True):  # FAKE: no mpi4py here
             s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
@@ -403,7 +403,7 @@ def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
         from deepspeed.accelerator import real_accelerator
         from portspeed.patches import torch_cuda, torch_distributed, deepspeed as ds_patches
         from portspeed.patches.megatron import all_patches
-        from portspeed.manager import _resolve
+        from portspeed.patching.manager import _resolve
 
         declared = torch_cuda.PATCHES + torch_distributed.PATCHES + ds_patches.PATCHES + all_patches()
         def current(target):
@@ -509,7 +509,7 @@ def test_generic_accelerator_on_fake_xpu_delegates_to_adapter() -> None:
 
     from deepspeed.accelerator.real_accelerator import _validate_accelerator
     from portspeed.adapters.xpu import XpuAccelerator
-    from portspeed.ds_accelerator import PortspeedAccelerator, build_ds_accelerator
+    from portspeed.integrations.ds_accelerator import PortspeedAccelerator, build_ds_accelerator
 
     with fake_torch_xpu.installed(count=2) as state:
         adapter = XpuAccelerator()
@@ -534,7 +534,7 @@ def test_generic_accelerator_on_fake_xpu_delegates_to_adapter() -> None:
 
 def test_build_rejects_non_adapter() -> None:
     """build_ds_accelerator names what it needs when given something else."""
-    from portspeed.ds_accelerator import build_ds_accelerator
+    from portspeed.integrations.ds_accelerator import build_ds_accelerator
 
     with pytest.raises(TypeError, match="portspeed.get_accelerator"):
         build_ds_accelerator("cpu")  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from portspeed import drift
-from portspeed.patch import Patch
+from portspeed.patching import drift
+from portspeed.patching.record import Patch
 from portspeed.patches.megatron import all_patches
 
 #: megatron-core releases checked in CI (cp312 wheels from PyPI, read from the archive)

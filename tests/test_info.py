@@ -18,10 +18,12 @@ if str(_HERE) not in sys.path:
 
 from fakes import fake_torch_npu  # noqa: E402
 
-from portspeed import config, info  # noqa: E402
+from portspeed import config  # noqa: E402
+
+from portspeed.cli import info
 from portspeed.accelerator import BUILTIN_ADAPTERS, get_accelerator, reset_accelerator  # noqa: E402
 from portspeed.errors import ConfigError  # noqa: E402
-from portspeed.patch import WRAP, Patch  # noqa: E402
+from portspeed.patching.record import WRAP, Patch  # noqa: E402
 from portspeed.versions import distribution_version  # noqa: E402
 
 
@@ -196,7 +198,7 @@ def test_info_imports_no_framework() -> None:
     """`portspeed info` reads gates from metadata: Megatron and DeepSpeed stay unimported."""
     code = (
         "import sys, io, contextlib\n"
-        "from portspeed.info import main\n"
+        "from portspeed.cli.info import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['--json'])\n"
         "print(sorted(m for m in ('megatron', 'deepspeed') if m in sys.modules))\n"

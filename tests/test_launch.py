@@ -13,7 +13,7 @@ import pytest
 
 from helpers.requires import require
 
-from portspeed import launch
+from portspeed.cli import run as launch
 
 TIMEOUT = 180  # seconds; a hung launch fails instead of hanging CI
 
@@ -165,6 +165,6 @@ def test_worker_command_keeps_the_script_and_its_arguments() -> None:
     """The rewrite hands the script, its args and -m mode to the worker, after '--'."""
     args = launch.build_parser().parse_args(["--nproc-per-node", "2", "-m", "pkg.train", "--lr", "1"])
     launch.worker_command(args, "portspeed.megatron_adaptor")
-    assert args.module is True and args.training_script == "portspeed.launch_worker"
+    assert args.module is True and args.training_script == "portspeed.cli.worker"
     assert args.training_script_args == ["--adaptor", "portspeed.megatron_adaptor", "--module", "--", "pkg.train",
                                          "--lr", "1"]

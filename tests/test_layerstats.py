@@ -1,4 +1,4 @@
-"""portspeed.layerstats: hook-recorded layer statistics and `portspeed compare --layers`."""
+"""portspeed.parity.layerstats: hook-recorded layer statistics and `portspeed compare --layers`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from helpers.requires import require
 import torch
 from torch import nn
 
-from portspeed import compare as compare_cli
-from portspeed.layerstats import LayerStatsError, LayerStatsRecorder, compare_layers, load_layer_stats
+from portspeed.parity import compare as compare_cli
+from portspeed.parity.layerstats import LayerStatsError, LayerStatsRecorder, compare_layers, load_layer_stats
 
 
 class GradScale(torch.autograd.Function):

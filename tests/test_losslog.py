@@ -1,4 +1,4 @@
-"""portspeed.losslog: Megatron log text and JSON loss records in, loss records out."""
+"""portspeed.parity.losslog: Megatron log text and JSON loss records in, loss records out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from portspeed.losslog import (
+from portspeed.parity.losslog import (
     LossLogError,
     LossRecord,
     LossRecordWriter,

@@ -18,8 +18,8 @@ import pytest
 
 from portspeed import config
 from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
-from portspeed.manager import STATUSES, PatchManager
-from portspeed.patch import Patch
+from portspeed.patching.manager import STATUSES, PatchManager
+from portspeed.patching.record import Patch
 from portspeed.versions import distribution_version
 
 _counter = itertools.count()

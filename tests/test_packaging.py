@@ -51,4 +51,4 @@ def test_console_script_and_pytest_plugin_declared(wheel: zipfile.ZipFile) -> No
     (ep,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     text = wheel.read(ep).decode()
     assert "portspeed = portspeed.cli:main" in text
-    assert "portspeed = portspeed.pytest_plugin" in text
+    assert "portspeed = portspeed.parity.pytest_plugin" in text

@@ -8,7 +8,7 @@ import pytest
 from packaging.version import Version
 
 from portspeed.errors import PatchDefinitionError
-from portspeed.patch import REPLACE, WRAP, Patch
+from portspeed.patching.record import REPLACE, WRAP, Patch
 
 
 def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:

@@ -17,10 +17,11 @@ from typing import Any, Iterator
 import pytest
 
 import portspeed
-from portspeed import config, patch_report
+from portspeed import config
+from portspeed.cli import patches as patch_report
 from portspeed.accelerator import reset_accelerator
-from portspeed.manager import PatchManager
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.manager import PatchManager
+from portspeed.patching.record import WRAP, Patch
 
 _TARGET = textwrap.dedent(
     """
@@ -192,7 +193,7 @@ def test_default_imports_both_adaptors_without_frameworks() -> None:
     """By default both adaptors are imported, their patches listed; Megatron/DeepSpeed stay unimported."""
     code = (
         "import sys, io, json, contextlib\n"
-        "from portspeed.patch_report import main\n"
+        "from portspeed.cli.patches import main\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf):\n"
         "    rc = main(['--json'])\n"

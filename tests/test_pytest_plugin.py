@@ -1,4 +1,4 @@
-"""portspeed.pytest_plugin: fixtures exercised inside throw-away pytest sessions (pytester)."""
+"""portspeed.parity.pytest_plugin: fixtures exercised inside throw-away pytest sessions (pytester)."""
 
 from __future__ import annotations
 

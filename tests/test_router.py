@@ -17,11 +17,12 @@ import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed import distributed_c10d as c10d
 
 import portspeed
-from portspeed import config, router
+from portspeed import config
+from portspeed.comm import router
 from portspeed.accelerator import Accelerator, adapter_class, reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.adapters.cuda import CudaAccelerator
-from portspeed.capabilities import BackendGaps, capabilities_for
+from portspeed.comm.capabilities import BackendGaps, capabilities_for
 from portspeed.errors import CollectiveUnsupportedError, ConfigError, UnknownBackendError
 from portspeed.patches.torch_distributed import PATCHES
 from portspeed.testing.standin_ccl import StandinAccelerator
@@ -146,7 +147,7 @@ def test_get_backend_reports_requested_name_and_real_backend_is_available(routed
     explicit = dist.new_group(ranks=[0], backend="gloo")
     assert dist.get_backend(explicit) == "gloo"
     dist.destroy_process_group()
-    assert router.requested_backend.__module__ == "portspeed.router"
+    assert router.requested_backend.__module__ == "portspeed.comm.router"
     assert not router._REQUESTED
 
 

@@ -1,4 +1,4 @@
-"""portspeed.runspec: `portspeed compare SPEC.json` launches the runs it lists and compares them."""
+"""portspeed.parity.runspec: `portspeed compare SPEC.json` launches the runs it lists and compares them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from portspeed import compare as compare_cli
-from portspeed.runspec import RunFailedError, SpecError, run_one, spec_from_json
+from portspeed.parity import compare as compare_cli
+from portspeed.parity.runspec import RunFailedError, SpecError, run_one, spec_from_json
 
 DATA = Path(__file__).parent / "data"
 TRAIN = str(DATA / "tiny_ddp_train.py")
@@ -84,7 +84,7 @@ def test_failed_run_is_exit_2_with_log_tail(tmp_path):
 
 def test_run_past_its_timeout_is_killed(tmp_path):
     """A hanging run is killed at its timeout and reported, instead of hanging the tool."""
-    from portspeed.runspec import RunSpec
+    from portspeed.parity.runspec import RunSpec
     run = RunSpec("hang", ["{python}", "-c", "import time; print('waiting', flush=True); time.sleep(120)"], timeout=2)
     with pytest.raises(RunFailedError, match=r"still running after 2s, killed(.|\n)*waiting"):
         run_one(run, tmp_path)
@@ -92,7 +92,7 @@ def test_run_past_its_timeout_is_killed(tmp_path):
 
 def test_run_with_no_losses_is_an_error(tmp_path):
     """Exit 0 but no record and no iteration lines: the message says to write the record."""
-    from portspeed.runspec import RunSpec
+    from portspeed.parity.runspec import RunSpec
     with pytest.raises(RunFailedError, match="wrote no loss record"):
         run_one(RunSpec("quiet", ["{python}", "-c", "print('done')"]), tmp_path)
 
@@ -117,7 +117,7 @@ def test_spec_validation_names_the_field(spec, match):
 
 def test_unknown_placeholder_in_command_is_reported_at_launch(tmp_path):
     """A command placeholder that is neither an axis nor a built-in is named, with the known ones."""
-    from portspeed.runspec import RunSpec
+    from portspeed.parity.runspec import RunSpec
     with pytest.raises(SpecError, match=r"unknown placeholder \{tp\}.*known: \[.*'record'"):
         run_one(RunSpec("a", ["{python}", "--tp", "{tp}"]), tmp_path)
 

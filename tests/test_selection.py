@@ -311,6 +311,6 @@ def test_detection_order_is_documented() -> None:
     """The order tested above is the one the accelerator module documents: vendors, cuda, cpu."""
     assert DETECTION_ORDER[-2:] == ("cuda", "cpu")
     assert set(DETECTION_ORDER) == set(BUILTIN_ADAPTERS)
-    import portspeed.accelerator as acc_mod
+    import portspeed.accelerator.selection as acc_mod
 
     assert "DETECTION_ORDER" in (acc_mod.__doc__ or "")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from portspeed.losslog import parse_megatron_log
+from portspeed.parity.losslog import parse_megatron_log
 from portspeed.patches.megatron import _training_common, training_arguments, training_compile_helpers
 
 pytestmark = [pytest.mark.megatron]

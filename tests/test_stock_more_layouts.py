@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from helpers.stock import SKIP_REASON, bad_rows, run_stock_gpt
 
-from portspeed.losslog import parse_megatron_log
-from portspeed.parity import Tolerance, compare, tolerance_for
+from portspeed.parity.losslog import parse_megatron_log
+from portspeed.parity.tolerance import Tolerance, compare, tolerance_for
 
 pytestmark = [pytest.mark.megatron, pytest.mark.stock, pytest.mark.multiproc]
 

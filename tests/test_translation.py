@@ -1,4 +1,4 @@
-"""The scoped torch / torch.cuda translation (portspeed.translation) and the torch_cuda patches."""
+"""The scoped torch / torch.cuda translation (portspeed.accelerator.translation) and the torch_cuda patches."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import portspeed
-from portspeed import framework_modules, translation
+from portspeed.accelerator import scope as framework_modules
+from portspeed.accelerator import translation
 from portspeed.accelerator import get_accelerator, reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator, NullEvent, NullStream
 from portspeed.errors import ConfigError, UnsupportedCudaCallError
@@ -233,7 +234,7 @@ def test_generator_on_the_test_device_is_a_device_generator() -> None:
         adaptor.activate()
         import portspeed
         assert portspeed.get_accelerator().device_type == "testdev"
-        from portspeed import translation
+        from portspeed.accelerator import translation
         tv = translation.torch_view()
         torch.testdev.set_device(1)
         g = tv.Generator(device=tv.cuda.current_device())
@@ -399,7 +400,7 @@ def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
         import portspeed.megatron_adaptor
         import torch
         import megatron.core.jit  # a framework module (its import sets the adaptor up): its globals see the view
-        from portspeed import translation
+        from portspeed.accelerator import translation
         assert translation.enabled()
         assert torch.cuda.is_available() is False and torch.cuda.device_count() == 0
         @torch.compile

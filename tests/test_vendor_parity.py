@@ -32,8 +32,8 @@ require("megatron.core", "pip install 'portspeed[megatron]'")
 from helpers.gpt_example import MODEL, SCRIPT  # noqa: E402
 from helpers.launch import parse_losses, run_python, torchrun  # noqa: E402
 
-from portspeed.losslog import read_record  # noqa: E402
-from portspeed.parity import Tolerance, compare  # noqa: E402
+from portspeed.parity.losslog import read_record  # noqa: E402
+from portspeed.parity.tolerance import Tolerance, compare  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.megatron]
 

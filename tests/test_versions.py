@@ -74,8 +74,8 @@ def test_a_checkout_on_pythonpath_shadows_the_wheel_and_is_what_gates_read(tmp_p
 APPLY = '''
 import logging, sys
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
-from portspeed.manager import PatchManager
-from portspeed.patch import Patch
+from portspeed.patching.manager import PatchManager
+from portspeed.patching.record import Patch
 m = PatchManager()
 m.register([Patch(name="t.any", target="target_mod:f", kind="wrap", impl=lambda w, i, a, k: ("patched", w(*a, **k)),
                   reason="test", distribution="megatron-core", versions=">=0.15")])

@@ -2,7 +2,7 @@
 
 ``all_patches()`` collects them by walking this package, so adding a patch module needs
 no edit here, and attaches each one's recorded target fingerprints (``fingerprints.py``,
-written by ``portspeed patches --check SOURCE --record``; see ``portspeed.drift``).
+written by ``portspeed patches --check SOURCE --record``; see ``portspeed.patching.drift``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import pkgutil
 
-from portspeed.patch import Patch
+from portspeed.patching.record import Patch
 
 __all__ = ["all_patches"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from .core_common import CORE_DIST, not_cuda
 

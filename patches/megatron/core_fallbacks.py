@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
 

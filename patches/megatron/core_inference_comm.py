@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from portspeed.accelerator import get_accelerator
-from portspeed.patch import REPLACE, Patch
+from portspeed.patching.record import REPLACE, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
 

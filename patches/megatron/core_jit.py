@@ -16,7 +16,7 @@ import logging
 from typing import Any, Callable
 
 from portspeed.accelerator import Accelerator
-from portspeed.patch import REPLACE, Patch
+from portspeed.patching.record import REPLACE, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from portspeed.accelerator import Accelerator
 from portspeed.errors import PortspeedError
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
 

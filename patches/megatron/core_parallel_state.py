@@ -16,7 +16,7 @@ import logging
 from typing import Any
 
 from portspeed.accelerator import get_accelerator
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
 

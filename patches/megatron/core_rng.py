@@ -20,7 +20,7 @@ import torch
 
 from portspeed.accelerator import get_accelerator
 from portspeed.errors import UnsupportedCudaCallError
-from portspeed.patch import REPLACE, WRAP, Patch
+from portspeed.patching.record import REPLACE, WRAP, Patch
 
 from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
 

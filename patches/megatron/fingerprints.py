@@ -1,4 +1,4 @@
-"""Fingerprints of each Megatron patch's target source, per megatron-core release (see portspeed.drift).
+"""Fingerprints of each Megatron patch's target source, per megatron-core release (see portspeed.patching.drift).
 
 Written by ``portspeed patches --check SOURCE --record``; edit by re-recording, not by hand.
 """

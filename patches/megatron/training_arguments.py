@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from portspeed.accelerator import get_accelerator
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from ._training_common import DISTRIBUTION, VERSIONS, log_once, off_cuda
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from portspeed.accelerator import Accelerator
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from ._training_common import DISTRIBUTION, VERSIONS, log
 

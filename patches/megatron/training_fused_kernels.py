@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from portspeed.patch import REPLACE, Patch
+from portspeed.patching.record import REPLACE, Patch
 
 from ._training_common import DISTRIBUTION, VERSIONS, off_cuda
 

@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 from portspeed.accelerator import get_accelerator
 from portspeed.errors import PortspeedError
-from portspeed.patch import Patch
+from portspeed.patching.record import Patch
 from portspeed.versions import distribution_version
 
 from ._training_common import log_once

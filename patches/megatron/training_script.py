@@ -10,7 +10,7 @@ compiled with CUDA" on the CPU build).
 When ``pretrain()`` starts, and the running ``__main__`` file lies in a Megatron-LM checkout
 (its folder holds ``megatron/training``), ``__main__`` and the checkout's other top-level
 modules (``model_provider``, ``gpt_builders``...) become framework modules
-(``portspeed.translation.add_framework_prefixes``): they see the translated torch like the
+(``portspeed.accelerator.translation.add_framework_prefixes``): they see the translated torch like the
 rest of Megatron. A user's own script is left alone (name it in PORTSPEED_FRAMEWORK_MODULES
 to opt in).
 """
@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Any
 
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 from ._training_common import DISTRIBUTION, log_once, off_cuda
 
@@ -53,7 +53,7 @@ def scope_checkout_scripts(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     main = sys.modules.get("__main__")
     root = checkout_root(getattr(main, "__file__", None))
     if root is not None:
-        from portspeed import translation
+        from portspeed.accelerator import translation
 
         names = checkout_modules(root)
         if names:

@@ -19,6 +19,6 @@ customer and runs it in CI.
 
 from __future__ import annotations
 
-from .report import Check, Report
+from portspeed.conformance.report import Check, Report
 
 __all__ = ["Check", "Report"]

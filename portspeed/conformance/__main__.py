@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .report import Report
+from portspeed.conformance.report import Report
 
 __all__ = ["main"]
 
@@ -42,15 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = Report(args.adapter)
     if "device" in suites:
-        from .device import run_device_checks
+        from portspeed.conformance.device import run_device_checks
 
         run_device_checks(acc, report)
     if "collectives" in suites:
-        from .collectives import run_collective_checks
+        from portspeed.conformance.collectives import run_collective_checks
 
         run_collective_checks(args.adapter, report, nproc=args.nproc)
     if "training" in suites:
-        from .training import run_training_check
+        from portspeed.conformance.training import run_training_check
 
         run_training_check(args.adapter, report)
     print(report.render())

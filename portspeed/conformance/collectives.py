@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from .report import Report
+from portspeed.conformance.report import Report
 
 __all__ = ["rank_main", "run_collective_checks"]
 
@@ -29,10 +29,10 @@ def rank_main() -> int:  # noqa: C901 - one list of checks, read top to bottom
     import torch.distributed as dist
 
     import portspeed
-    from portspeed import router
+    from portspeed.comm import router
     from portspeed.patches.torch_distributed import PATCHES
 
-    from .reference import all_values as everyone_n, reduce_op as rop, reference as ref, values as host
+    from portspeed.conformance.reference import all_values as everyone_n, reduce_op as rop, reference as ref, values as host
 
     acc = portspeed.get_accelerator()
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

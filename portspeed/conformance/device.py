@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .report import Report
+from portspeed.conformance.report import Report
 
 __all__ = ["run_device_checks"]
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .report import Report
+from portspeed.conformance.report import Report
 
 __all__ = ["GOLDEN_DIR", "TRAINER_ARGS", "run_training_check", "trainer_path"]
 

@@ -36,7 +36,7 @@ import logging
 from typing import Any, Callable
 
 from portspeed.errors import PortspeedError
-from portspeed.patch import WRAP, Patch
+from portspeed.patching.record import WRAP, Patch
 
 __all__ = ["PATCH_NAME", "PlantError", "plant", "set_iteration", "make_patch"]
 

@@ -43,7 +43,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from portspeed.adapters.cpu import CpuAccelerator
-from portspeed.capabilities import BackendGaps, op_type
+from portspeed.comm.capabilities import BackendGaps, op_type
 
 __all__ = ["BACKEND_NAME", "StandinAccelerator", "StandinProcessGroup", "register"]
 
@@ -65,7 +65,7 @@ _COMBINE = {
 def _gap(what: str) -> RuntimeError:
     return RuntimeError(
         f"standin CCL: {what} is not supported (a gap declared on purpose, like a vendor CCL's); "
-        "route the call through portspeed.router, which rewrites it"
+        "route the call through portspeed.comm.router, which rewrites it"
     )
 
 

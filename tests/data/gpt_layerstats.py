@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-from portspeed.layerstats import LayerStatsRecorder
+from portspeed.parity.layerstats import LayerStatsRecorder
 
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

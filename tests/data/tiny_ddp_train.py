@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from portspeed.losslog import LossRecordWriter
+from portspeed.parity.losslog import LossRecordWriter
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 import sys
 
-from .build import main
+from portspeed.testing.testdev.build import main
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["build"]:

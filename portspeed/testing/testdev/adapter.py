@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.capabilities import BackendGaps
+from portspeed.comm.capabilities import BackendGaps
 
 __all__ = ["TestdevAccelerator"]
 

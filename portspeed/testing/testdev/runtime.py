@@ -25,9 +25,9 @@ _start = time.perf_counter()
 
 import torch  # noqa: E402
 
-from . import DEVICE_TYPE, device_module  # noqa: E402
-from .build import load_extension  # noqa: E402
-from .ccl import BACKEND_NAME, register_backend
+from portspeed.testing.testdev import DEVICE_TYPE, device_module  # noqa: E402
+from portspeed.testing.testdev.build import load_extension  # noqa: E402
+from portspeed.testing.testdev.ccl import BACKEND_NAME, register_backend
 
 __all__ = ["BACKEND_NAME", "DEVICE_TYPE", "extension", "load_seconds"]
 

@@ -1,7 +1,7 @@
 """The scoped torch / torch.cuda translation seen by framework modules only.
 
 Contract
-- ``CudaView`` (in ``portspeed.cuda_view``) is a module-like object that answers the
+- ``CudaView`` (in ``portspeed.accelerator.cuda_view``) is a module-like object that answers the
   torch.cuda API Megatron and DeepSpeed use from the active adapter (``get_accelerator()``).
   An attribute it does not map raises ``UnsupportedCudaCallError`` naming the call, the
   caller's file:line and the adapter.
@@ -26,7 +26,7 @@ trains with that order). On a CUDA adapter nothing is translated: ``enable()`` i
 
 Example::
 
-    from portspeed import translation
+    from portspeed.accelerator import translation
     translation.enable()           # megatron.* now sees torch.cuda answered by the adapter
     translation.is_framework_module("megatron.core.utils")   # True
 """
@@ -46,11 +46,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .accelerator import get_accelerator
-from .cuda_view import CudaView, _autocast
-from .errors import ConfigError
-from . import framework_modules
-from .framework_modules import (DEFAULT_PREFIXES, FRAMEWORK_ENV, framework_prefixes, is_framework_module,
+from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.cuda_view import CudaView, _autocast
+from portspeed.errors import ConfigError
+from portspeed.accelerator import scope as framework_modules
+from portspeed.accelerator.scope import (DEFAULT_PREFIXES, FRAMEWORK_ENV, framework_prefixes, is_framework_module,
                                 valid_prefix)
 
 __all__ = [
@@ -72,7 +72,7 @@ __all__ = [
     "translate_device",
 ]
 
-log = logging.getLogger("portspeed.translation")
+log = logging.getLogger("portspeed.accelerator.translation")
 
 _REAL_TORCH = torch
 _REAL_CUDA = torch.cuda

@@ -22,13 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from .errors import PortspeedError
-from .losslog import LossRecord, read_record
-from .parity import METRICS, Comparison, Tolerance, compare_many, pick_tolerance
+from portspeed.errors import PortspeedError
+from portspeed.parity.losslog import LossRecord, read_record
+from portspeed.parity.tolerance import METRICS, Comparison, Tolerance, compare_many, pick_tolerance
 
 __all__ = ["main", "build_parser", "format_table", "format_markdown", "report_json"]
 
-log = logging.getLogger("portspeed.compare")
+log = logging.getLogger("portspeed.parity.compare")
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", metavar="DIR", default="portspeed-runs",
                    help="where spec-launched runs write records and logs (default ./portspeed-runs)")
     p.add_argument("--layers", action="store_true",
-                   help="the two RUNs are layer-statistics files from portspeed.layerstats; name the first "
+                   help="the two RUNs are layer-statistics files from portspeed.parity.layerstats; name the first "
                         "layer whose statistics differ")
     return p
 
@@ -210,7 +210,7 @@ def _load_inputs(paths: Sequence[str], workdir: str, err: TextIO) -> list[LossRe
     records: list[LossRecord] = []
     for p in paths:
         if _is_spec(Path(p)):
-            from .runspec import load_spec, run_spec  # only spec users pay for the launcher
+            from portspeed.parity.runspec import load_spec, run_spec  # only spec users pay for the launcher
             spec = load_spec(p)
             print(f"portspeed compare: launching {len(spec.runs)} run(s) from {p} in {workdir}", file=err)
             records.extend(run_spec(spec, workdir, progress=err))
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         return EXIT_BAD_INPUT if e.code else EXIT_OK
     try:
         if args.layers:
-            from .layerstats import main_compare_layers
+            from portspeed.parity.layerstats import main_compare_layers
             return main_compare_layers(args.runs, args.atol, args.rtol, out)
         records = _load_inputs(args.runs, args.workdir, err)
         if len(records) < 2:
@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"portspeed compare: error: cannot write report: {e}", file=err)
         return EXIT_BAD_INPUT
     if args.plot:
-        from .plot import PlotUnavailableError, plot_comparisons
+        from portspeed.parity.plot import PlotUnavailableError, plot_comparisons
         try:
             path = plot_comparisons(comps, args.plot)
             print(f"plot written to {path}", file=out)

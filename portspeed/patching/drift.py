@@ -38,7 +38,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from .versions import package_info_version
+from portspeed.versions import package_info_version
 
 __all__ = ["Finding", "SourceError", "SourceTree", "check", "fingerprint", "open_source", "DRIFT"]
 
@@ -147,7 +147,7 @@ def open_source(spec: str, cache: Path | None = None) -> SourceTree:
     """A checkout or site-packages folder, a .whl, ``GITDIR@REV``, ``installed``, or a release number to download."""
     path = Path(spec)
     if spec == "installed":
-        from .versions import _package_dir
+        from portspeed.versions import _package_dir
 
         core = _package_dir("megatron.core")
         if core is None:

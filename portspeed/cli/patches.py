@@ -14,7 +14,7 @@ out of range), failed, inactive (condition false on this adapter), disabled
 (closures, defaults, containers: found through the garbage collector, slow).
 
 ``--check SOURCE`` instead checks the Megatron patches against a Megatron source without
-importing it (``portspeed.drift``): SOURCE is a Megatron-LM checkout, a megatron-core
+importing it (``portspeed.patching.drift``): SOURCE is a Megatron-LM checkout, a megatron-core
 wheel, ``GITDIR@TAG``, ``installed``, or a release number (its cp312 wheel is downloaded
 with pip). ``--record`` then writes the fingerprints it found for that release into
 ``portspeed/patches/megatron/fingerprints.py`` (after reviewing the changed patches).
@@ -77,7 +77,7 @@ def collect(adaptor: str = "all", import_targets: bool = False, deep: bool = Fal
 
     result: dict[str, Any] = {"adaptors": _import_all(list(ADAPTORS[adaptor]))}
     if import_targets:
-        from portspeed import activation
+        from portspeed.integrations import activation
 
         activation.activate_waiting()  # the adaptors defer their set-up to the framework's first import
         pending = [r.patch.module for r in portspeed.manager().records() if r.status == "pending"]
@@ -129,8 +129,8 @@ def render(result: dict[str, Any]) -> str:
 
 
 def check_source(spec: str) -> dict[str, Any]:
-    """The drift check of the Megatron patch set against ``spec`` (see ``portspeed.drift``), as plain data."""
-    from portspeed import drift
+    """The drift check of the Megatron patch set against ``spec`` (see ``portspeed.patching.drift``), as plain data."""
+    from portspeed.patching import drift
     from portspeed.patches.megatron import all_patches
 
     tree = drift.open_source(spec)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record and not args.check:
         parser.error("--record needs --check SOURCE")
     if args.check:
-        from portspeed.drift import SourceError
+        from portspeed.patching.drift import SourceError
 
         try:
             checked = check_source(args.check)

@@ -27,10 +27,10 @@ import platform
 import sys
 from typing import Any, Callable
 
-from . import __version__, config
-from .accelerator import adapter_class, available_adapters, get_accelerator, selection_reason
-from .errors import PortspeedError
-from .versions import SUPPORTED, distribution_version, gate_version
+from portspeed import __version__, config
+from portspeed.accelerator import adapter_class, available_adapters, get_accelerator, selection_reason
+from portspeed.errors import PortspeedError
+from portspeed.versions import SUPPORTED, distribution_version, gate_version
 
 __all__ = ["PATCH_SETS", "VERSIONED", "collect", "evaluate_gate", "main"]
 

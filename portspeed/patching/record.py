@@ -5,7 +5,7 @@ what gets imported; the part after the colon is walked with getattr), says wheth
 **replaces** the target or **wraps** it, carries the replacement or the wrapper, the
 distribution and PEP 440 version range it is written for, an optional condition on the
 active accelerator, one sentence of why, and the fingerprints of its target's source in the
-releases it was checked against (``portspeed.drift``: drift shows before users meet it).
+releases it was checked against (``portspeed.patching.drift``: drift shows before users meet it).
 
 Wrappers use wrapt's signature ``wrapper(wrapped, instance, args, kwargs)`` and are
 installed as ``wrapt.FunctionWrapper`` objects (``style="wrapt"``, the default). For a
@@ -35,12 +35,12 @@ import dataclasses
 import re
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
-from .errors import PatchDefinitionError
+from portspeed.errors import PatchDefinitionError
 
 if TYPE_CHECKING:  # pragma: no cover
     from packaging.specifiers import SpecifierSet
 
-    from .accelerator import Accelerator
+    from portspeed.accelerator import Accelerator
 
 __all__ = ["Patch", "PatchKind", "REPLACE", "WRAP", "WrapStyle"]
 
@@ -66,7 +66,7 @@ class Patch:
     when: "Callable[[Accelerator], bool] | None" = None
     order: int = 0
     style: WrapStyle = "wrapt"
-    #: release -> fingerprint of the target's source in that release (portspeed.drift); a dict is accepted
+    #: release -> fingerprint of the target's source in that release (portspeed.patching.drift); a dict is accepted
     fingerprints: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

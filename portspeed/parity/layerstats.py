@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence, TextIO
 
-from .errors import PortspeedError
+from portspeed.errors import PortspeedError
 
 __all__ = ["LayerStatsRecorder", "LayerStatsError", "LayerDifference", "compare_layers", "load_layer_stats",
            "main_compare_layers", "STATS"]
@@ -188,7 +188,7 @@ def load_layer_stats(path: str | os.PathLike[str]) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise LayerStatsError(f"{p}: not JSON ({e})") from e
     if not isinstance(data, dict) or not isinstance(data.get("iterations"), dict):
-        raise LayerStatsError(f"{p}: not a layer-statistics file (written by portspeed.layerstats.LayerStatsRecorder)")
+        raise LayerStatsError(f"{p}: not a layer-statistics file (written by portspeed.parity.layerstats.LayerStatsRecorder)")
     return data
 
 

@@ -1,72 +1,29 @@
-"""The device-abstraction contract every adapter implements, and how one is selected.
+"""``Accelerator``: the device-abstraction contract every adapter implements.
 
-An adapter (one file per device in ``portspeed.adapters``) subclasses ``Accelerator``
-and sets a few class attributes; the base class delegates everything else to the
-device's torch module (``torch.cuda``, ``torch.npu``, ``torch.xpu``...), so a vendor
-file stays small. The CPU adapter overrides what the CPU has no notion of (streams,
-events, memory statistics) with honest null objects.
-
-Selection (``get_accelerator``), first match wins:
-1. an adapter injected with ``set_accelerator(obj)``;
-2. ``PORTSPEED_ACCELERATOR=<name>``; an unknown name raises listing the known ones, a
-   known adapter whose vendor package is missing raises naming the package to install;
-3. auto-detection: third-party adapters from the entry-point group ``portspeed.adapters``,
-   then the built-ins in ``DETECTION_ORDER`` (vendor devices that ship their own torch
-   module first, since some of them also answer to ``torch.cuda``; then ``cuda``; ``cpu``
-   always matches).
-
-``PORTSPEED_BACKEND=<ccl>`` overrides the adapter's collective backend.
+An adapter (one file per device in ``portspeed.adapters``, or a third-party package through
+the ``portspeed.adapters`` entry points) subclasses ``Accelerator`` and sets a few class
+attributes; the base class delegates everything else to the device's torch module
+(``torch.cuda``, ``torch.npu``, ``torch.xpu``...), so a vendor file stays small. The CPU
+adapter overrides what the CPU has no notion of (streams, events, memory statistics) with
+honest null objects. Where adapters come from: ``registry``; which one is active:
+``selection``; the properties patches are gated on: ``conditions``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata as _metadata
 import importlib.util
-import logging
-import sys
-import threading
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from . import config
-from .errors import ConfigError, MissingVendorPackageError, UnknownAcceleratorError
+from portspeed.errors import MissingVendorPackageError
 
 if TYPE_CHECKING:
-    from .capabilities import BackendGaps, Capabilities
+    from portspeed.comm.capabilities import BackendGaps, Capabilities
 
-__all__ = [
-    "Accelerator",
-    "BUILTIN_ADAPTERS",
-    "DETECTION_ORDER",
-    "ENTRY_POINT_GROUP",
-    "available_adapters",
-    "adapter_class",
-    "get_accelerator",
-    "set_accelerator",
-    "reset_accelerator",
-    "selection_reason",
-]
-
-log = logging.getLogger("portspeed.accelerator")
-
-ENTRY_POINT_GROUP = "portspeed.adapters"
-
-#: Built-in adapters: name -> "module:Class". Adding a vendor is adding a file and a line here.
-BUILTIN_ADAPTERS: dict[str, str] = {
-    "cpu": "portspeed.adapters.cpu:CpuAccelerator",
-    "cuda": "portspeed.adapters.cuda:CudaAccelerator",
-    "npu": "portspeed.adapters.npu:NpuAccelerator",
-    "xpu": "portspeed.adapters.xpu:XpuAccelerator",
-    "mlu": "portspeed.adapters.mlu:MluAccelerator",
-    "musa": "portspeed.adapters.musa:MusaAccelerator",
-    "hpu": "portspeed.adapters.hpu:HpuAccelerator",
-}
-
-#: Auto-detection order of the built-ins (documented in the README).
-DETECTION_ORDER: tuple[str, ...] = ("npu", "mlu", "musa", "hpu", "xpu", "cuda", "cpu")
+__all__ = ["Accelerator"]
 
 
 class Accelerator:
@@ -85,10 +42,15 @@ class Accelerator:
     backend: ClassVar[str] = ""
     vendor_modules: ClassVar[tuple[str, ...]] = ()
     vendor_package: ClassVar[str | None] = None
+    #: The framework's CUDA code runs here as written (CUDA, ROCm): nothing is translated and
+    #: no patch that replaces a CUDA path applies. Declared, never inferred from a name.
+    runs_cuda_natively: ClassVar[bool] = False
+    #: The device is the host: a device tensor is a host tensor and ``.cpu()`` is no copy.
+    device_is_host: ClassVar[bool] = False
     #: True for adapters whose hardware has been run in this project's own tests.
     verified_on_hardware: ClassVar[bool] = False
     #: What this adapter's own collective backend lacks (None: nothing beyond the built-in
-    #: defaults of ``portspeed.capabilities``); the router rewrites what is listed.
+    #: defaults of ``portspeed.comm.capabilities``); the router rewrites what is listed.
     backend_gaps: ClassVar[BackendGaps | None] = None
 
     def __init__(self, backend: str | None = None) -> None:
@@ -281,7 +243,7 @@ class Accelerator:
         The built-in defaults (``capabilities_for``: Gloo by torch release, NCCL), plus
         ``backend_gaps`` when ``backend`` is this adapter's own.
         """
-        from .capabilities import capabilities_for
+        from portspeed.comm.capabilities import capabilities_for
 
         name = (backend or self.communication_backend).lower()
         if self.backend_gaps is not None and self.owns_backend(name):
@@ -300,140 +262,3 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} backend={self.communication_backend!r}>"
-
-
-# ---------------------------------------------------------------------- registry
-_lock = threading.RLock()
-_selected: Accelerator | None = None
-_reason: str = ""
-
-
-#: (sys.path when scanned, adapters found): the entry-point scan reads the metadata of every
-#: installed distribution, so it runs once per process and again only when sys.path changes
-#: (or after reset_accelerator()).
-_entry_points: tuple[tuple[str, ...], dict[str, _metadata.EntryPoint]] | None = None
-
-
-def _entry_point_adapters() -> dict[str, _metadata.EntryPoint]:
-    """Third-party adapters registered in ENTRY_POINT_GROUP, by name (cached per sys.path).
-
-    Uses the standard library's importlib.metadata (the same code as the importlib-metadata
-    backport, already loaded by torch): the backport's import pulls in email.policy, which
-    alone costs more than the whole scan.
-    """
-    global _entry_points
-    key = tuple(sys.path)
-    cached = _entry_points
-    if cached is not None and cached[0] == key:
-        return dict(cached[1])
-    try:
-        eps = _metadata.entry_points(group=ENTRY_POINT_GROUP)
-    except Exception:  # pragma: no cover - broken metadata must not stop selection
-        return {}
-    found = {ep.name: ep for ep in eps}
-    _entry_points = (key, found)
-    return dict(found)
-
-
-def available_adapters() -> list[str]:
-    """Every adapter name: built-ins, then entry points, sorted within each."""
-    names = list(BUILTIN_ADAPTERS)
-    names += sorted(n for n in _entry_point_adapters() if n not in BUILTIN_ADAPTERS)
-    return names
-
-
-def adapter_class(name: str) -> type[Accelerator]:
-    """The adapter class registered under ``name`` (built-in or entry point)."""
-    if name in BUILTIN_ADAPTERS:
-        modname, _, clsname = BUILTIN_ADAPTERS[name].partition(":")
-        cls = getattr(importlib.import_module(modname), clsname)
-    elif name in (eps := _entry_point_adapters()):
-        cls = eps[name].load()
-    else:
-        raise UnknownAcceleratorError(
-            f"unknown accelerator {name!r}; known adapters: {', '.join(available_adapters())}. "
-            f"Third-party adapters register in the entry-point group {ENTRY_POINT_GROUP!r}."
-        )
-    if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
-        raise UnknownAcceleratorError(
-            f"adapter {name!r} resolves to {cls!r}, which is not a portspeed.accelerator.Accelerator subclass"
-        )
-    return cls
-
-
-def _backend_override() -> str | None:
-    b = config.settings().backend
-    if b is None:
-        return None
-    from .capabilities import check_backend_name
-    from .errors import UnknownBackendError
-
-    try:
-        check_backend_name(b)
-    except UnknownBackendError as exc:
-        raise ConfigError(f"PORTSPEED_BACKEND={b!r} is not usable: {exc}") from exc
-    return b
-
-
-def _make(name: str, reason: str) -> Accelerator:
-    cls = adapter_class(name)
-    cls.load_vendor()
-    acc = cls(backend=_backend_override())
-    global _reason
-    _reason = reason
-    return acc
-
-
-def get_accelerator() -> Accelerator:
-    """The active adapter (selected once per process; see the module docstring for the order)."""
-    global _selected
-    if _selected is not None:
-        return _selected
-    with _lock:
-        if _selected is not None:
-            return _selected
-        requested = config.settings().accelerator
-        if requested:
-            _selected = _make(requested, "PORTSPEED_ACCELERATOR")
-            return _selected
-        eps = _entry_point_adapters()
-        for name in sorted(eps):
-            if name in BUILTIN_ADAPTERS:
-                continue
-            try:
-                cls = adapter_class(name)
-                if cls.detect():
-                    _selected = _make(name, f"auto-detected (entry point {name!r})")
-                    return _selected
-            except Exception as exc:
-                log.warning("portspeed: adapter entry point %r failed to load: %s", name, exc)
-        for name in DETECTION_ORDER:
-            cls = adapter_class(name)
-            if cls.detect():
-                _selected = _make(name, "auto-detected")
-                return _selected
-        raise UnknownAcceleratorError("no adapter detected, not even 'cpu'")  # pragma: no cover
-
-
-def set_accelerator(accelerator: Accelerator) -> None:
-    """Inject an adapter instance (the official hook, like DeepSpeed's set_accelerator)."""
-    global _selected, _reason
-    if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"set_accelerator() takes an Accelerator instance, got {type(accelerator).__name__}")
-    with _lock:
-        _selected = accelerator
-        _reason = "set_accelerator()"
-
-
-def reset_accelerator() -> None:
-    """Forget the selection and the entry-point scan (tests); the next get_accelerator() selects again."""
-    global _selected, _reason, _entry_points
-    with _lock:
-        _selected = None
-        _reason = ""
-        _entry_points = None
-
-
-def selection_reason() -> str:
-    """Why the active adapter was chosen ('' before selection)."""
-    return _reason

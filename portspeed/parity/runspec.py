@@ -41,8 +41,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TextIO
 
-from .errors import PortspeedError
-from .losslog import LossLogError, LossRecord, parse_megatron_log, read_record
+from portspeed.errors import PortspeedError
+from portspeed.parity.losslog import LossLogError, LossRecord, parse_megatron_log, read_record
 
 __all__ = ["RunSpec", "Spec", "SpecError", "RunFailedError", "load_spec", "spec_from_json",
            "run_one", "run_spec", "free_port"]

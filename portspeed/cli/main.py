@@ -14,10 +14,10 @@ __all__ = ["main", "COMMANDS"]
 
 #: subcommand -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("portspeed.info:main", "versions, adapters, backend capability gaps, which patch sets apply"),
-    "patches": ("portspeed.patch_report:main", "list every patch: applied / pending / skipped / failed"),
-    "run": ("portspeed.launch:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
-    "compare": ("portspeed.compare:main", "compare per-iteration losses of two or more runs"),
+    "info": ("portspeed.cli.info:main", "versions, adapters, backend capability gaps, which patch sets apply"),
+    "patches": ("portspeed.cli.patches:main", "list every patch: applied / pending / skipped / failed"),
+    "run": ("portspeed.cli.run:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
+    "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
     "conformance": ("portspeed.conformance.__main__:main",
                     "prove an adapter on its hardware: device, collectives, training vs CPU losses"),
 }

@@ -16,8 +16,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from .errors import PortspeedError
-from .parity import Comparison
+from portspeed.errors import PortspeedError
+from portspeed.parity.tolerance import Comparison
 
 __all__ = ["PlotUnavailableError", "plot_comparisons", "INSTALL_HINT"]
 

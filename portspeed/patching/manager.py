@@ -52,10 +52,10 @@ import types
 import warnings
 from typing import Any, Iterable, Iterator
 
-from . import config
-from .errors import PatchConflictError, PatchDefinitionError, PatchStrictError
-from .patch import REPLACE, Patch
-from .versions import SUPPORTED, GateVersion, gate_version
+from portspeed import config
+from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
+from portspeed.patching.record import REPLACE, Patch
+from portspeed.versions import SUPPORTED, GateVersion, gate_version
 
 __all__ = ["PatchManager", "PatchRecord", "STATUSES"]
 
@@ -395,7 +395,7 @@ class PatchManager:
                     continue
             if p.when is not None:
                 if accelerator is None:
-                    from .accelerator import get_accelerator
+                    from portspeed.accelerator import get_accelerator
 
                     accelerator = get_accelerator()
                 try:

@@ -1,13 +1,13 @@
 """Which modules are *framework modules*: the ones that see the translated torch.
 
-Kept apart from ``portspeed.translation`` (which imports torch and the views) because the
+Kept apart from ``portspeed.accelerator.translation`` (which imports torch and the views) because the
 adaptors need the answer at their own import, before anything heavy is loaded: their
-deferred activation (``portspeed.activation``) fires on the first import of a framework
+deferred activation (``portspeed.integrations.activation``) fires on the first import of a framework
 module.
 
 The prefixes are ``megatron``, the comma-separated names in ``PORTSPEED_FRAMEWORK_MODULES``
 (validated: a typo raises ConfigError naming the variable), and those added with
-``portspeed.translation.add_framework_prefixes``. A module is a framework module when its
+``portspeed.accelerator.translation.add_framework_prefixes``. A module is a framework module when its
 name equals a prefix or starts with a prefix and a dot; torch itself never is.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 
-from .config import parse_names
+from portspeed.config import parse_names
 
 __all__ = ["FRAMEWORK_ENV", "DEFAULT_PREFIXES", "env_prefixes", "framework_prefixes", "is_framework_module",
            "is_under", "valid_prefix"]

@@ -15,8 +15,8 @@ Default tolerances depend on the dtype the runs trained in (record ``meta.dtype`
 
 Example::
 
-    from portspeed.losslog import read_record
-    from portspeed.parity import compare, tolerance_for
+    from portspeed.parity.losslog import read_record
+    from portspeed.parity.tolerance import compare, tolerance_for
     result = compare(read_record("tp1.log"), read_record("tp2.json"), tolerance_for("fp32"))
     result.ok, result.first_divergence, result.largest
 """
@@ -27,8 +27,8 @@ import dataclasses
 import math
 from typing import Any, Iterable, Sequence
 
-from .errors import PortspeedError
-from .losslog import IterationLoss, LossRecord, normalize_dtype
+from portspeed.errors import PortspeedError
+from portspeed.parity.losslog import IterationLoss, LossRecord, normalize_dtype
 
 __all__ = [
     "Tolerance",

@@ -2,7 +2,7 @@
 
 Started by torchrun (through `portspeed run`) as::
 
-    python -m portspeed.launch_worker --adaptor MODULE [--module] -- SCRIPT [ARGS...]
+    python -m portspeed.cli.worker --adaptor MODULE [--module] -- SCRIPT [ARGS...]
 
 The script sees what it would see under plain ``python SCRIPT ARGS``: ``__name__`` is
 ``"__main__"``, ``sys.argv`` is ``[SCRIPT, *ARGS]``, ``__file__`` is the script, and
@@ -41,11 +41,11 @@ TARGET_ENV = "PORTSPEED_RUN_TARGET"
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
         raise SystemExit(
-            "portspeed.launch_worker: expected '--adaptor MODULE [--module] -- SCRIPT [ARGS]'; "
+            "portspeed.cli.worker: expected '--adaptor MODULE [--module] -- SCRIPT [ARGS]'; "
             "this module is started by `portspeed run`, use that instead"
         )
     cut = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m portspeed.launch_worker", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m portspeed.cli.worker", add_help=False)
     parser.add_argument("--adaptor", required=True)
     parser.add_argument("--module", action="store_true")
     # torchrun adds --local-rank=N here when it runs in its legacy (use_env=False) mode;
@@ -54,7 +54,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     opts = parser.parse_args(argv[:cut])
     rest = argv[cut + 1:]
     if not rest:
-        raise SystemExit("portspeed.launch_worker: no SCRIPT after '--'")
+        raise SystemExit("portspeed.cli.worker: no SCRIPT after '--'")
     return opts, rest
 
 
@@ -72,11 +72,11 @@ def _code_of(target: str) -> tuple[Any, dict[str, Any]]:
         return compile(source, what, "exec"), {"__file__": what, "__package__": None, "__cached__": None}
     spec = importlib.util.find_spec(what)
     if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
-        raise SystemExit(f"portspeed.launch_worker: cannot find the code of module {what!r}")
+        raise SystemExit(f"portspeed.cli.worker: cannot find the code of module {what!r}")
     if spec.submodule_search_locations is not None:  # a package: run its __main__, as python -m does
         spec = importlib.util.find_spec(f"{what}.__main__")
         if spec is None or spec.loader is None:
-            raise SystemExit(f"portspeed.launch_worker: package {what!r} has no __main__ module")
+            raise SystemExit(f"portspeed.cli.worker: package {what!r} has no __main__ module")
     code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
     return code, {"__file__": spec.origin, "__package__": spec.parent, "__cached__": None}
 
@@ -87,7 +87,7 @@ def _run_as_main(target: str) -> None:
     main_mod = types.ModuleType("__main__")
     main_mod.__dict__.update(extra)
     main_mod.__dict__.update(__builtins__=builtins, __loader__=None,
-                             __spec__=importlib.util.find_spec("portspeed.launch_worker"))
+                             __spec__=importlib.util.find_spec("portspeed.cli.worker"))
     sys.modules["__main__"] = main_mod
     exec(code, main_mod.__dict__)
 

@@ -5,12 +5,12 @@ with torch.cuda's signatures and return types (``current_device()`` is an int,
 ``default_generators[i]`` a generator, ``_lazy_call`` runs at once); CUDA-only features
 (graphs, memory pools, external streams) and any name not mapped raise
 ``UnsupportedCudaCallError`` naming the call, the caller's file:line, the adapter and what
-to do. ``portspeed.translation`` scopes this view onto framework modules; nothing else
+to do. ``portspeed.accelerator.translation`` scopes this view onto framework modules; nothing else
 sees it.
 
 Example::
 
-    from portspeed.translation import cuda_view
+    from portspeed.accelerator.translation import cuda_view
     cuda_view().current_device()      # 0 on the CPU adapter
 """
 
@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .accelerator import get_accelerator
-from .errors import UnsupportedCudaCallError
+from portspeed.accelerator import get_accelerator
+from portspeed.errors import UnsupportedCudaCallError
 
 __all__ = ["CudaView"]
 

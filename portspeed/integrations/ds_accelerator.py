@@ -31,7 +31,7 @@ Example::
 
     import deepspeed
     from portspeed import get_accelerator
-    from portspeed.ds_accelerator import build_ds_accelerator
+    from portspeed.integrations.ds_accelerator import build_ds_accelerator
     deepspeed.accelerator.set_accelerator(build_ds_accelerator(get_accelerator()))
 """
 
@@ -45,8 +45,8 @@ import torch
 from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-from .accelerator import Accelerator
-from .errors import PortspeedError
+from portspeed.accelerator import Accelerator
+from portspeed.errors import PortspeedError
 
 __all__ = ["AdapterBacked", "HOST_OP_BUILDERS", "PortspeedCpuAccelerator", "PortspeedAccelerator",
            "build_ds_accelerator"]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
-from .errors import UnknownBackendError
+from portspeed.errors import UnknownBackendError
 
 __all__ = [
     "BackendGaps",

@@ -3,7 +3,7 @@
 A stock training script (Megatron-LM's ``pretrain_gpt.py``, a DeepSpeed script) must run
 unedited, so the adaptor cannot be imported by the script itself. ``portspeed run`` takes
 torchrun's own command line (it *is* torchrun's parser and launcher, with one option
-added) and starts each worker as ``python -m portspeed.launch_worker``, which imports the
+added) and starts each worker as ``python -m portspeed.cli.worker``, which imports the
 adaptor and then runs the script as ``__main__`` with the script's own ``sys.argv``.
 
 Options added to torchrun's:
@@ -30,7 +30,7 @@ import importlib.util
 import os
 import sys
 
-from .errors import PortspeedError
+from portspeed.errors import PortspeedError
 
 __all__ = ["ADAPTORS", "LaunchError", "main", "build_parser", "resolve_adaptor", "worker_command"]
 
@@ -41,7 +41,7 @@ ADAPTORS: dict[str, str | None] = {
     "none": None,
 }
 
-WORKER_MODULE = "portspeed.launch_worker"
+WORKER_MODULE = "portspeed.cli.worker"
 
 
 class LaunchError(PortspeedError, ValueError):
@@ -97,7 +97,7 @@ def _check_adaptor_importable(module: str) -> None:
 
 
 def worker_command(args: argparse.Namespace, adaptor_module: str | None) -> None:
-    """Rewrite parsed torchrun arguments so each worker is ``python -m portspeed.launch_worker ...``."""
+    """Rewrite parsed torchrun arguments so each worker is ``python -m portspeed.cli.worker ...``."""
     script, script_args = args.training_script, list(args.training_script_args)
     worker_args = ["--adaptor", adaptor_module or "none"]
     if args.module:

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import pytest
 
 if TYPE_CHECKING:  # keep pytest start-up free of portspeed's heavier modules
-    from .losslog import LossRecord
-    from .parity import Comparison
+    from portspeed.parity.losslog import LossRecord
+    from portspeed.parity.tolerance import Comparison
 
 __all__ = ["portspeed_launch", "assert_losses_match", "loss_golden"]
 
@@ -58,15 +58,15 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 
 def _as_record(x: "LossRecord | str | os.PathLike[str]") -> "LossRecord":
-    from .losslog import LossRecord, read_record
+    from portspeed.parity.losslog import LossRecord, read_record
     return x if isinstance(x, LossRecord) else read_record(x)
 
 
 def _check(actual: Any, expected: Any, atol: float | None, rtol: float | None, dtype: str | None,
            metric: str, what: str) -> "Comparison":
     __tracebackhide__ = True
-    from .compare import format_table
-    from .parity import compare, pick_tolerance
+    from portspeed.parity.compare import format_table
+    from portspeed.parity.tolerance import compare, pick_tolerance
     exp, act = _as_record(expected), _as_record(actual)
     tol, origin = pick_tolerance([exp, act], dtype, atol, rtol)
     result = compare(exp, act, tol, metric)
@@ -95,7 +95,7 @@ def loss_golden(request: pytest.FixtureRequest) -> Callable[..., None]:
     def golden(record: Any, path: str | os.PathLike[str], *, atol: float | None = None,
                rtol: float | None = None, dtype: str | None = None, metric: str = "lm_loss") -> None:
         __tracebackhide__ = True
-        from .losslog import write_record
+        from portspeed.parity.losslog import write_record
         rec = _as_record(record)
         target = _golden_path(str(path), rec.meta, Path(request.node.path).parent)
         if update:
@@ -125,7 +125,7 @@ def _golden_path(template: str, meta: Mapping[str, Any], base: Path) -> Path:
 @pytest.fixture
 def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., "LossRecord"]:
     """A function launching an N-rank torchrun run of a script and returning its loss record."""
-    from .config import settings
+    from portspeed.config import settings
 
     default_timeout = settings().timeout
     counter = [0]
@@ -134,7 +134,7 @@ def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
                env: Mapping[str, str] | None = None, name: str | None = None,
                adaptor: str | None = None) -> "LossRecord":
         __tracebackhide__ = True
-        from .runspec import RunFailedError, RunSpec, run_one
+        from portspeed.parity.runspec import RunFailedError, RunSpec, run_one
         if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
             raise pytest.UsageError(f"portspeed_launch(nproc={nproc!r}): give a positive number of ranks or None")
         if not Path(script).is_file():

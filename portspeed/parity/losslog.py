@@ -40,7 +40,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from .errors import PortspeedError
+from portspeed.errors import PortspeedError
 
 __all__ = [
     "IterationLoss",
@@ -284,7 +284,7 @@ def record_from_json(data: Any, source: str = "<json>") -> LossRecord:
 def read_record(path: str | os.PathLike[str]) -> LossRecord:
     """Read a loss record or a Megatron log, deciding by content (JSON object or not).
 
-    A JSON run spec (with 'runs') is not a record: `portspeed.runspec` launches those.
+    A JSON run spec (with 'runs') is not a record: `portspeed.parity.runspec` launches those.
     """
     p = Path(path)
     if not p.exists():

@@ -34,7 +34,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from .framework_modules import is_under
+from portspeed.accelerator.scope import is_under
 
 __all__ = ["defer", "activate_waiting", "waiting", "cancel"]
 

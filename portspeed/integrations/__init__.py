@@ -1,0 +1,12 @@
+"""Framework integrations: the patch sets for Megatron and DeepSpeed, and when they are set up.
+
+Layer: integrations, the only layer that imports ``portspeed.patches``. It composes the
+engine (``portspeed.patching``, ``portspeed.accelerator``, ``portspeed.comm``) with the
+patch modules. The public entry points ``portspeed.megatron_adaptor`` and
+``portspeed.deepspeed_adaptor`` are thin facades over ``megatron`` and ``deepspeed`` here.
+
+- ``activation``      deferred set-up at the framework's first import.
+- ``megatron``        the Megatron patch set and its activation.
+- ``deepspeed``       the DeepSpeed patch set, its activation and accelerator hook.
+- ``ds_accelerator``  DeepSpeed's accelerator object, answered by the active adapter.
+"""
