@@ -1,9 +1,10 @@
-"""torch.distributed entry points routed through ``portspeed.comm.router``.
+"""torch.distributed entry points routed through ``portspeed.comm``.
 
-Group creation maps the backend a framework asks for (``nccl``, ``cpu:gloo,cuda:nccl``)
-to the active adapter's backend; ``get_backend`` reports the requested name back to
-non-torch callers; the collectives that some backend's capability table lists gaps for
-are rewritten where the table says so and go straight through otherwise. Megatron and
+Group creation (``portspeed.comm.groups``) maps the backend a framework asks for
+(``nccl``, ``cpu:gloo,cuda:nccl``) to the active adapter's backend; ``get_backend``
+reports the requested name back to non-torch callers; the collectives that some
+backend's capability table lists gaps for are rewritten where the table says so and go
+straight through otherwise (``portspeed.comm.router.COLLECTIVE_ROUTES``). Megatron and
 DeepSpeed both end in these functions, and ``torch.distributed.<name>`` (re-exported
 with ``from .distributed_c10d import *``) is rebound by the manager to the same chain.
 """
@@ -11,7 +12,7 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import router
+from portspeed.comm import groups, router
 
 __all__ = ["PATCHES"]
 
@@ -34,7 +35,7 @@ PATCHES: list[Patch] = [
         name="torch.distributed.init_process_group.backend",
         target=f"{_MOD}:init_process_group",
         kind=WRAP,
-        impl=router.wrap_init_process_group,
+        impl=groups.wrap_init_process_group,
         distribution="torch",
         versions=_TORCH,
         reason="Frameworks ask for nccl; create the default group on the active adapter's backend instead.",
@@ -43,7 +44,7 @@ PATCHES: list[Patch] = [
         name="torch.distributed.new_group.backend",
         target=f"{_MOD}:new_group",
         kind=WRAP,
-        impl=router.wrap_new_group,
+        impl=groups.wrap_new_group,
         distribution="torch",
         versions=_TORCH,
         reason="Megatron and DeepSpeed create sub-groups with backend='nccl'; map them to the adapter's backend.",
@@ -52,7 +53,7 @@ PATCHES: list[Patch] = [
         name="torch.distributed.get_backend.requested",
         target=f"{_MOD}:get_backend",
         kind=WRAP,
-        impl=router.wrap_get_backend,
+        impl=groups.wrap_get_backend,
         distribution="torch",
         versions=_TORCH,
         reason="Code that tests get_backend() == 'nccl' must keep its path after the group was mapped to another backend.",
@@ -61,7 +62,7 @@ PATCHES: list[Patch] = [
         name="torch.distributed.destroy_process_group.forget",
         target=f"{_MOD}:destroy_process_group",
         kind=WRAP,
-        impl=router.wrap_destroy_process_group,
+        impl=groups.wrap_destroy_process_group,
         distribution="torch",
         versions=_TORCH,
         reason="Destroyed groups must drop out of the router's capability cache and name map.",

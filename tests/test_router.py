@@ -18,11 +18,12 @@ from torch.distributed import distributed_c10d as c10d
 
 import portspeed
 from portspeed import config
-from portspeed.comm import router
+from portspeed import comm
+from portspeed.comm import backends, groups, rewrites, router
 from portspeed.accelerator import Accelerator, adapter_class, reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.adapters.cuda import CudaAccelerator
-from portspeed.comm.capabilities import BackendGaps, capabilities_for
+from portspeed.comm.capabilities import BackendGaps, Gap, capabilities_for
 from portspeed.errors import CollectiveUnsupportedError, ConfigError, UnknownBackendError
 from portspeed.patches.torch_distributed import PATCHES
 from portspeed.testing.standin_ccl import StandinAccelerator
@@ -45,12 +46,12 @@ def routed() -> Iterator[portspeed.PatchManager]:
     manager = portspeed.PatchManager()
     manager.register(PATCHES)
     manager.apply()
-    router.reset()
+    comm.reset()
     yield manager
     if dist.is_initialized():
         dist.destroy_process_group()
     manager.revert()
-    router.reset()
+    comm.reset()
     reset_accelerator()
 
 
@@ -66,7 +67,7 @@ def _init(backend: str | None = "nccl") -> None:
 ])
 def test_map_backend_on_cpu(asked: str | None, want: str) -> None:
     """On the CPU adapter accelerator backends become gloo; CPU and registered backends stay."""
-    assert router.map_backend(asked, CpuAccelerator()) == want
+    assert comm.map_backend(asked, CpuAccelerator()) == want
 
 
 @pytest.mark.parametrize("asked,want", [
@@ -74,32 +75,53 @@ def test_map_backend_on_cpu(asked: str | None, want: str) -> None:
 ])
 def test_map_backend_on_standin(asked: str | None, want: str) -> None:
     """On the stand-in adapter nccl becomes standin, and its backend wins on its own device."""
-    assert router.map_backend(asked, StandinAccelerator()) == want
+    assert comm.map_backend(asked, StandinAccelerator()) == want
 
 
 @pytest.mark.parametrize("asked", ["nccl", "gloo", "ucc", "cpu:gloo,cuda:nccl", None])
 def test_map_backend_on_cuda_changes_nothing(asked: str | None) -> None:
     """On a CUDA adapter with nccl every name maps to itself (None stays torch's default)."""
-    assert router.map_backend(asked, CudaAccelerator()) == (asked.lower() if asked else None)
+    assert comm.map_backend(asked, CudaAccelerator()) == (asked.lower() if asked else None)
 
 
 def test_map_backend_on_a_fake_npu_keeps_device_pairs() -> None:
     """On a fake NPU adapter nccl becomes hccl, and 'cpu:gloo,cuda:nccl' becomes 'cpu:gloo,npu:hccl'."""
     acc = FakeNpuAccelerator()
-    assert router.map_backend("nccl", acc) == "hccl"
-    assert router.map_backend("cpu:gloo,cuda:nccl", acc) == "cpu:gloo,npu:hccl"
+    assert comm.map_backend("nccl", acc) == "hccl"
+    assert comm.map_backend("cpu:gloo,cuda:nccl", acc) == "cpu:gloo,npu:hccl"
+
+
+class NativeCudaAccelerator(Accelerator):
+    """An adapter under another name that declares the framework's CUDA code runs natively on it."""
+
+    name = "native-cuda"
+    device_type = "cuda"
+    backend = "nccl"
+    runs_cuda_natively = True
+
+
+class UndeclaredCudaAccelerator(NativeCudaAccelerator):
+    """The same names without the declaration: a device called cuda is not enough."""
+
+    runs_cuda_natively = False
+
+
+def test_no_backend_is_left_to_torch_only_where_cuda_runs_natively() -> None:
+    """map_backend(None) reads the declared runs_cuda_natively, never the device name."""
+    assert comm.map_backend(None, NativeCudaAccelerator()) is None
+    assert comm.map_backend(None, UndeclaredCudaAccelerator()) == "nccl"
 
 
 def test_pytorch_backend_override_is_honoured() -> None:
     """An adapter built with a backend override (PORTSPEED_BACKEND) maps nccl to that backend."""
-    assert router.map_backend("nccl", CpuAccelerator(backend="standin")) == "standin"
+    assert comm.map_backend("nccl", CpuAccelerator(backend="standin")) == "standin"
 
 
 @pytest.mark.parametrize("asked", ["nccll", "tcp", "cpu:", "cuda:nccl,", ""])
 def test_unknown_backend_names_raise_listing_known_ones(asked: str) -> None:
     """Unknown or malformed names raise UnknownBackendError that says what was wrong."""
     with pytest.raises(UnknownBackendError) as info:
-        router.map_backend(asked, CpuAccelerator())
+        comm.map_backend(asked, CpuAccelerator())
     msg = str(info.value)
     assert repr(asked) in msg or "malformed" in msg or "non-empty" in msg
     if asked in ("nccll", "tcp"):
@@ -140,39 +162,39 @@ def test_get_backend_reports_requested_name_and_real_backend_is_available(routed
     """A group asked for as nccl reports 'nccl'; real_backend says gloo; torch itself sees gloo."""
     _init("nccl")
     assert dist.get_backend() == "nccl"
-    assert router.real_backend() == "gloo" and router.requested_backend() == "nccl"
+    assert comm.real_backend() == "gloo" and comm.requested_backend() == "nccl"
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=10))  # torch checks == 'gloo' inside
     inherited = dist.new_group(ranks=[0])
-    assert dist.get_backend(inherited) == "nccl" and router.real_backend(inherited) == "gloo"
+    assert dist.get_backend(inherited) == "nccl" and comm.real_backend(inherited) == "gloo"
     explicit = dist.new_group(ranks=[0], backend="gloo")
     assert dist.get_backend(explicit) == "gloo"
     dist.destroy_process_group()
-    assert router.requested_backend.__module__ == "portspeed.comm.router"
-    assert not router._REQUESTED
+    assert comm.requested_backend is backends.requested_backend
+    assert not backends._REQUESTED
 
 
 def test_device_pair_string_is_reported_back(routed) -> None:
     """'cpu:gloo,cuda:nccl' runs on gloo and get_backend() returns the string asked for."""
     _init("cpu:gloo,cuda:nccl")
     assert dist.get_backend() == "cpu:gloo,cuda:nccl"
-    assert router.real_backend() == "gloo"
+    assert comm.real_backend() == "gloo"
 
 
 def test_no_backend_on_cpu_uses_the_adapter_backend(routed) -> None:
     """init_process_group() without a backend creates the adapter's backend and reports the real name."""
     _init(None)
-    assert router.real_backend() == "gloo" and dist.get_backend() == "gloo"
+    assert comm.real_backend() == "gloo" and dist.get_backend() == "gloo"
 
 
 def test_standin_adapter_gets_the_standin_backend(routed) -> None:
     """With the stand-in adapter a group asked for as nccl runs on the stand-in backend."""
     set_accelerator(StandinAccelerator())
     _init("nccl")
-    assert router.real_backend() == "standin" and dist.get_backend() == "nccl"
+    assert comm.real_backend() == "standin" and dist.get_backend() == "nccl"
     x = torch.arange(4.0)
     dist.all_reduce(x, op=R.AVG)  # the stand-in raises on AVG: this only works rewritten
     assert torch.equal(x, torch.arange(4.0))
-    assert router.stats() == {"all_reduce": {"rewrites": 1, "by": {"avg_as_sum": 1}}}
+    assert comm.stats() == {"all_reduce": {"rewrites": 1, "by": {"avg_as_sum": 1}}}
 
 
 # ---------------------------------------------------------------------- hot path and rewrites
@@ -190,7 +212,7 @@ def test_supported_call_goes_straight_through_with_the_callers_arguments(routed)
     routed(t, op=R.SUM)
     assert seen[1][0][0] is t and seen[1][1] == {"op": R.SUM}
     assert routed.__wrapped__ is spy and routed.__name__ == "spy"
-    assert router.stats() == {}
+    assert comm.stats() == {}
 
 
 def test_premul_sum_on_gloo_is_rewritten(routed) -> None:
@@ -199,7 +221,7 @@ def test_premul_sum_on_gloo_is_rewritten(routed) -> None:
     x = torch.full((3,), 4.0)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.25))
     assert torch.equal(x, torch.ones(3))
-    assert router.stats()["all_reduce"]["by"] == {"premul_as_scale_sum": 1}
+    assert comm.stats()["all_reduce"]["by"] == {"premul_as_scale_sum": 1}
 
 
 def test_async_rewrite_writes_the_callers_tensor_on_wait(routed) -> None:
@@ -209,12 +231,12 @@ def test_async_rewrite_writes_the_callers_tensor_on_wait(routed) -> None:
     out = torch.zeros(4, dtype=torch.bfloat16)
     inp = torch.arange(1.0, 5.0, dtype=torch.bfloat16)
     work = dist.reduce_scatter_tensor(out, inp, async_op=True)  # bf16: the stand-in lacks it
-    assert isinstance(work, router.RewriteWork) and not work.is_completed()
+    assert isinstance(work, comm.RewriteWork) and not work.is_completed()
     assert torch.equal(out, torch.zeros(4, dtype=torch.bfloat16))
     work.wait()
     assert work.is_completed() and torch.equal(out, inp)
     assert work.get_future().done()
-    assert router.stats()["reduce_scatter_tensor"]["by"] == {"upcast": 1}
+    assert comm.stats()["reduce_scatter_tensor"]["by"] == {"upcast": 1}
 
 
 def test_avg_on_integers_raises_naming_the_dtype(routed) -> None:
@@ -228,7 +250,7 @@ def test_avg_on_integers_raises_naming_the_dtype(routed) -> None:
 def test_float64_on_cncl_table_raises_instead_of_losing_precision(routed) -> None:
     """CNCL maps float64 to float32 silently (the mlu adapter declares it); the router refuses loudly."""
     _init("nccl")
-    router.use_capabilities(adapter_class("mlu")().capabilities())
+    comm.use_capabilities(adapter_class("mlu")().capabilities())
     with pytest.raises(CollectiveUnsupportedError, match="float64"):
         dist.all_reduce(torch.ones(2, dtype=torch.float64))
 
@@ -261,12 +283,12 @@ def test_a_third_party_adapters_declared_gaps_are_what_the_router_rewrites(route
     dist.all_to_all(outs, [torch.arange(2.0)])
     assert torch.equal(x, torch.arange(4.0)) and torch.equal(h, torch.ones(3, dtype=torch.float16))
     assert torch.equal(outs[0], torch.arange(2.0))
-    assert router.stats() == {
+    assert comm.stats() == {
         "all_reduce": {"rewrites": 2, "by": {"via_all_gather": 1, "upcast": 1}},
         "all_to_all": {"rewrites": 1, "by": {"via_all_to_all_single": 1}},
     }
     assert DeclaringAdapter.asked == ["gloo"], "the table is resolved once per group, for its real backend"
-    caps = router.capabilities_of()
+    caps = comm.capabilities_of()
     assert caps.gap("all_reduce", R.PREMUL_SUM, torch.float32) is not None  # Gloo's own row is kept
     assert any("test declaration" in n for n in caps.notes)
 
@@ -277,7 +299,7 @@ def test_the_plain_cpu_adapter_declares_nothing_so_max_goes_straight(routed) -> 
     x = torch.arange(4.0)
     dist.all_reduce(x, op=R.MAX)
     dist.all_reduce(torch.ones(3, dtype=torch.float16))
-    assert router.stats() == {}
+    assert comm.stats() == {}
 
 
 def test_a_group_on_another_backend_gets_that_backends_defaults(routed) -> None:
@@ -287,23 +309,23 @@ def test_a_group_on_another_backend_gets_that_backends_defaults(routed) -> None:
     dist.all_reduce(torch.arange(4.0), op=R.AVG)  # the stand-in lacks AVG; Gloo has it from torch 2.8
     gloo = capabilities_for("gloo")
     rewritten = {"all_reduce": {"rewrites": 1, "by": {"avg_as_sum": 1}}}
-    assert router.stats() == ({} if gloo.gap("all_reduce", R.AVG, torch.float32) is None else rewritten)
-    assert router.real_backend() == "gloo" and router.capabilities_of() == gloo
+    assert comm.stats() == ({} if gloo.gap("all_reduce", R.AVG, torch.float32) is None else rewritten)
+    assert comm.real_backend() == "gloo" and comm.capabilities_of() == gloo
 
 
 def test_use_capabilities_rejects_other_objects(routed) -> None:
     """use_capabilities takes a Capabilities record only."""
     with pytest.raises(TypeError, match="Capabilities"):
-        router.use_capabilities({"all_reduce": ()})
+        comm.use_capabilities({"all_reduce": ()})
 
 
 def test_destroy_forgets_cached_tables(routed) -> None:
     """destroy_process_group clears the capability cache, so a new group is looked up afresh."""
     _init("nccl")
-    router.capabilities_of()
-    assert router._CAPS
+    comm.capabilities_of()
+    assert groups._CAPS
     dist.destroy_process_group()
-    assert not router._CAPS
+    assert not groups._CAPS
 
 
 def test_rewrite_work_runs_finish_once() -> None:
@@ -314,12 +336,39 @@ def test_rewrite_work_runs_finish_once() -> None:
         def wait(self):
             calls.append("inner")
 
-    work = router.RewriteWork([Inner(), None], lambda: calls.append("finish"), result=[1])
+    work = comm.RewriteWork([Inner(), None], lambda: calls.append("finish"), result=[1])
     assert not work.is_completed()
     work.wait()
     work.wait()
     assert calls == ["inner", "finish"] and work.is_completed()
     assert work.get_future().value() == [1]
+
+
+def test_every_routed_collective_has_a_ladder_of_known_rules() -> None:
+    """The rewrite table covers each collective a gap may name; every step names a rule; every rule is used."""
+    from portspeed.comm.capabilities import ROUTED_COLLECTIVES
+
+    assert set(rewrites.LADDERS) == set(ROUTED_COLLECTIVES)
+    used = {step for ladder in rewrites.LADDERS.values() for step, _ in ladder}
+    assert used == set(rewrites.RULES)
+    for collective, ladder in rewrites.LADDERS.items():
+        gap = capabilities_for("gloo", "2.6").gap(collective, R.SUM, torch.float32) or Gap(collective, "raises", "x")
+        assert ladder[-1][1](gap, R.SUM), f"the last step of {collective}'s ladder must always apply"
+
+
+def test_the_deprecated_module_warns_and_hands_back_the_same_functions() -> None:
+    """portspeed.router still works until its removal date, warning, with portspeed.comm's own functions."""
+    import importlib
+    import sys
+
+    sys.modules.pop("portspeed.router", None)
+    with pytest.warns(DeprecationWarning, match="removed after 2027-06-30; use portspeed.comm"):
+        shim = importlib.import_module("portspeed.router")
+    assert shim.REMOVAL == "2027-06-30"
+    for name in ("real_backend", "requested_backend", "map_backend", "stats", "reset_stats", "reset",
+                 "capabilities_of", "use_capabilities", "RewriteWork"):
+        assert getattr(shim, name) is getattr(comm, name), name
+    assert shim.COLLECTIVE_ROUTES is router.COLLECTIVE_ROUTES
 
 
 # ---------------------------------------------------------------------- PORTSPEED_BACKEND
@@ -403,7 +452,7 @@ def test_a_failing_straight_call_logs_and_raises_as_torch_does(routed) -> None:
     assert want_records, "torch logged nothing for the raw call: this test no longer tests anything"
     assert got_records == want_records
     assert type(got_error) is type(want_error) and str(got_error) == str(want_error)
-    assert router.stats() == {}
+    assert comm.stats() == {}
 
 
 def test_torch_compile_still_traces_a_routed_all_reduce(routed) -> None:

@@ -4,11 +4,21 @@ Layer: engine. Imports the foundation and ``portspeed.accelerator`` (the active 
 declares its backend's gaps); never a patch and never a framework. The patches in
 ``portspeed.patches.torch_distributed`` wire these functions onto ``torch.distributed``.
 
+Modules, in import order (each imports only those above it):
+
 - ``capabilities``  what a backend lacks (``Capabilities``, ``BackendGaps``), torch's defaults.
-- ``router``        backend names, group wrappers, rewrites and the hot path (being split).
+- ``backends``      backend names: the one asked for, the one that runs (``map_backend``,
+                    ``real_backend``, ``requested_backend``).
+- ``groups``        wrappers of torch's group entry points; each group's capability table
+                    (``capabilities_of``, ``use_capabilities``).
+- ``work``          running a rewrite: ``RewriteWork``, the last step at ``wait()``, coalescing.
+- ``rewrites``      the rewrite ladder as a table (``RULES``, ``LADDERS``); ``stats``.
+- ``router``        the routed collectives: the hot path (``COLLECTIVE_ROUTES``) and each
+                    collective's signature taken apart for a rewrite.
 
 Public: ``real_backend(group)`` (the backend a group really runs on, whatever name the
-framework asked for), ``requested_backend``, ``map_backend``, ``capabilities_of``, ``stats``.
+framework asked for; successor of ``portspeed.router.real_backend``), ``requested_backend``,
+``map_backend``, ``capabilities_of``, ``use_capabilities``, ``stats``, ``reset_stats``, ``reset``.
 """
 
 from __future__ import annotations
@@ -16,13 +26,15 @@ from __future__ import annotations
 from portspeed.lazy import lazy_exports
 
 _PUBLIC = {
-    "real_backend": ".router",
-    "requested_backend": ".router",
-    "map_backend": ".router",
-    "capabilities_of": ".router",
-    "use_capabilities": ".router",
-    "stats": ".router",
-    "reset_stats": ".router",
+    "real_backend": ".backends",
+    "requested_backend": ".backends",
+    "map_backend": ".backends",
+    "capabilities_of": ".groups",
+    "use_capabilities": ".groups",
+    "RewriteWork": ".work",
+    "stats": ".rewrites",
+    "reset_stats": ".rewrites",
+    "reset": ".router",
     "Capabilities": ".capabilities",
     "BackendGaps": ".capabilities",
 }

@@ -1,0 +1,106 @@
+"""Running a rewritten collective: its work handle, its last step, and coalescing batches.
+
+Why: a rewrite is a few collectives the backend does right plus a last step in Python
+(divide, copy back, slice). With ``async_op=True`` the caller gets a handle before the
+inner collectives finish, so the last step must run when the caller waits
+(``RewriteWork``); without it, at once (``complete``). Inside torch's
+``_coalescing_manager`` calls are recorded and issued at its exit, which a rewrite's last
+step cannot join, so ``run`` issues the rewrite at once, outside the batch.
+
+Contract
+- ``RewriteWork(works, finish, result)``: a ``dist.Work``; ``wait()`` waits for the inner
+  works, runs ``finish`` once, and returns True; ``is_completed()`` is True after that.
+- ``complete(works, finish, async_op)``: a ``RewriteWork`` when ``async_op``, else waits,
+  finishes and returns None (what torch's collectives return synchronously).
+- ``run(group, async_op, body)``: calls ``body(inner_async)``; returns None on ranks outside
+  ``group`` (as torch does); inside a coalescing batch runs ``body(False)`` outside it.
+
+Limits: in a coalescing batch a rewritten collective runs synchronously (correct values,
+less overlap).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from portspeed.comm.backends import _pg
+
+__all__ = ["RewriteWork", "complete", "run"]
+
+
+class RewriteWork(dist.Work):
+    """The work handle of a rewritten collective: wait() waits for the inner ones, then finishes."""
+
+    def __init__(self, works: list, finish: Callable[[], None], result: Any = None) -> None:
+        super().__init__()
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+        self._result = result
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done
+
+    def get_future(self) -> torch.futures.Future:
+        """A completed future (waits first: the rewrite's last step runs in Python)."""
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+
+def nothing() -> None:
+    """A last step that does nothing (the inner collective already wrote the caller's tensor)."""
+    return None
+
+
+def complete(works: list, finish: Callable[[], None], async_op: bool, result: Any = None) -> Any:
+    """Hand back ``RewriteWork`` (async) or wait for ``works`` and run ``finish`` now (returns None)."""
+    if async_op:
+        return RewriteWork(works, finish, result)
+    for w in works:
+        if w is not None:
+            w.wait()
+    finish()
+    return None
+
+
+def _in_coalescing(group: Any) -> bool:
+    state = getattr(c10d._world, "pg_coalesce_state", None)
+    return bool(state) and _pg(group) in state
+
+
+def run(group: Any, async_op: bool, body: Callable[[bool], Any]) -> Any:
+    """Run ``body(inner_async)`` for a rank of ``group``, outside any coalescing batch."""
+    if group is not None and c10d._rank_not_in_group(group):
+        return None
+    if _in_coalescing(group):
+        # the coalescing manager records calls and runs them at its exit; a rewrite has
+        # steps after its inner calls, so run it now, outside the recorded batch
+        pg = _pg(group)
+        ops = c10d._world.pg_coalesce_state.pop(pg)
+        try:
+            body(False)
+        finally:
+            c10d._world.pg_coalesce_state[pg] = ops
+        return RewriteWork([], nothing) if async_op else None
+    return body(async_op)
