@@ -5,10 +5,10 @@ live on torch's classes, out of reach of the scoped torch view, so they are patc
 (``Tensor.to`` and ``Tensor.type`` are replaced by plain functions calling torch's C methods,
 because torch itself calls them constantly and a wrapt wrapper costs ~1.5 us per call; the
 rarely called ones are wrapped).
-Each wrapper translates only when (a) the adapter is not CUDA (the ``when`` condition:
-on a CUDA adapter these patches are inactive), (b) the call names CUDA and (c) the
-caller is a framework module (see ``portspeed.accelerator.translation.is_framework_module``). The
-caller's frame is looked at only after (a) and (b) hold, so the common path costs a type
+Each wrapper translates only when (a) the adapter does not run CUDA natively (the ``when``
+condition ``conditions.translated``: on CUDA and ROCm these patches are inactive), (b) the
+call names CUDA and (c) the caller is a framework module (see
+``portspeed.accelerator.translation.is_framework_module``). The caller's frame is looked at only after (a) and (b) hold, so the common path costs a type
 check per argument. Everything else gets torch's own behaviour, errors included.
 """
 
@@ -18,15 +18,13 @@ from typing import Any
 
 import torch
 
-from portspeed.accelerator import Accelerator, get_accelerator
+from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.conditions import translated
+from portspeed.accelerator.torch_namespace import names_cuda, translate_device
+from portspeed.accelerator.translation import caller_is_framework
 from portspeed.patching.record import REPLACE, WRAP, Patch
-from portspeed.accelerator.translation import caller_is_framework, names_cuda, translate_device
 
 __all__ = ["PATCHES", "cuda_type_string", "local_type_string", "tensor_to", "tensor_type"]
-
-
-def _not_cuda(acc: Accelerator) -> bool:
-    return acc.device_type != "cuda"
 
 
 def _translate_call(args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -146,7 +144,7 @@ def tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fals
 
 
 _REASON_TO = "framework code moves tensors to 'cuda' devices; on another adapter they belong on its device"
-_COMMON = dict(kind=WRAP, distribution="torch", versions=">=2.6", when=_not_cuda)
+_COMMON = dict(kind=WRAP, distribution="torch", versions=">=2.6", when=translated)
 _COMMON_R = dict(_COMMON, kind=REPLACE)
 
 PATCHES: list[Patch] = [

@@ -107,7 +107,7 @@ def test_host_generator_patch_is_inactive_on_a_device_with_its_own_generator(tmp
 def test_p2p_send_copy_follows_the_backend_not_the_device(tmp_path: Path) -> None:
     """Megatron's p2p sends a private copy only where the backend reads the send buffer in flight (Gloo)."""
     _run(tmp_path, """
-        from portspeed.patches.megatron.core_p2p import sends_from_buffer
+        from portspeed.accelerator.conditions import sends_from_buffer
         from portspeed.adapters.cpu import CpuAccelerator
         from portspeed.testing.standin_ccl import StandinAccelerator
         assert not sends_from_buffer(portspeed.get_accelerator()), "testccl takes the data when the send is issued"

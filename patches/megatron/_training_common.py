@@ -1,26 +1,17 @@
-"""Shared pieces of the megatron.training patches: the version range, conditions, one-line logs."""
+"""Shared by the megatron.training patches: one-line logs, once per process, on rank 0.
+
+Their range is ``ranges.TRAINING``; their conditions are ``portspeed.accelerator.conditions``.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from portspeed.accelerator import Accelerator
-
-__all__ = ["DISTRIBUTION", "VERSIONS", "off_cuda", "log_once", "log"]
-
-#: megatron.training is not in the megatron-core wheel; the checkout matching it is gated on its version
-DISTRIBUTION = "megatron-core"
-#: checked against Megatron-LM tags core_v0.16.1 to core_v0.19.0; a patch whose target a release dropped gates itself
-VERSIONS = ">=0.16"
+__all__ = ["log_once", "log"]
 
 log = logging.getLogger("portspeed.megatron")
 _said: set[str] = set()
-
-
-def off_cuda(acc: Accelerator) -> bool:
-    """Patch condition: the adapter is not CUDA (on CUDA, Megatron's own path runs)."""
-    return acc.device_type != "cuda"
 
 
 def _rank() -> int:

@@ -1,18 +1,29 @@
-"""Shared bits of the Megatron-Core patch modules: the supported range and the accelerator condition."""
+"""Shared by the Megatron-Core patch modules: the one log line a CUDA-kernel fallback gives.
+
+Ranges live in ``ranges`` and conditions in ``portspeed.accelerator.conditions``; this
+module holds what the patches themselves share at run time. ``note_fallback`` lives here,
+beside the patches that call it, so no patch imports the adaptor (the facade
+``portspeed.megatron_adaptor`` re-exports it for programs and tests).
+"""
 
 from __future__ import annotations
 
-from portspeed.accelerator import Accelerator
+import logging
 
-__all__ = ["CORE_DIST", "CORE_VERSIONS", "not_cuda"]
+__all__ = ["note_fallback", "noted_fallbacks"]
 
-#: Distribution the core_* patches are written for.
-CORE_DIST = "megatron-core"
-#: Written for 0.15 and checked against every release to 0.19 (docs/megatron.md); open-ended, so a newer
-#: release keeps them (with the untested-release warning of versions.SUPPORTED) until one drifts.
-CORE_VERSIONS = ">=0.15"
+log = logging.getLogger("portspeed.megatron")
+
+#: config fields whose fallback was logged in this process
+noted_fallbacks: set[str] = set()
 
 
-def not_cuda(acc: Accelerator) -> bool:
-    """Condition: the adapter is not CUDA (on CUDA, Megatron's own code paths are right)."""
-    return acc.device_type != "cuda"
+def note_fallback(feature: str, reason: str) -> None:
+    """Log once per process that a CUDA-kernel default fell back to its torch path."""
+    if feature in noted_fallbacks:
+        return
+    noted_fallbacks.add(feature)
+    from portspeed.accelerator import get_accelerator
+
+    log.warning("portspeed: %s has no %s kernel; using the torch path (%s)",
+                feature, get_accelerator().name, reason)

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from portspeed.accelerator.conditions import device_is_host
 from portspeed.patching.record import WRAP, Patch
 
-from .core_common import CORE_DIST, not_cuda
+from .ranges import DDP_OFFLOAD, DISTRIBUTION
 
 __all__ = ["PATCHES", "offload_to_cpu"]
 
@@ -47,5 +48,5 @@ PATCHES: list[Patch] = [
           target="megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.offload_to_cpu",
           kind=WRAP, impl=offload_to_cpu,
           reason="on a host device .cpu() is no copy, so offloading then freeing the storage would lose the parameters",
-          distribution=CORE_DIST, versions=">=0.16", when=not_cuda),
+          distribution=DISTRIBUTION, versions=DDP_OFFLOAD, when=device_is_host),
 ]

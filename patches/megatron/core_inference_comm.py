@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import REPLACE, Patch
 
-from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
+from .ranges import CORE, DISTRIBUTION
 
 __all__ = ["PATCHES", "on_adapter_device"]
 
@@ -34,5 +35,5 @@ PATCHES: list[Patch] = [
     Patch(name="megatron.core.inference_comm.device_check",
           target="megatron.core.inference.communication_utils:_is_cuda", kind=REPLACE, impl=on_adapter_device,
           reason="broadcast_from_last_pipeline_stage and its siblings assert tensor.is_cuda; check the adapter's device instead",
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
+          distribution=DISTRIBUTION, versions=CORE, when=translated),
 ]

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from portspeed.accelerator import Accelerator
 from portspeed.patching.record import REPLACE, Patch
 
-from .core_common import CORE_DIST, CORE_VERSIONS
+from .ranges import CORE, DISTRIBUTION
 
 __all__ = ["PATCHES", "eager_jit_fuser", "inductor_lacks_device"]
 
@@ -51,5 +51,5 @@ PATCHES: list[Patch] = [
           impl=eager_jit_fuser,
           reason="torch.compile has no Inductor code generator for this device; Megatron's fusions run as eager torch ops "
                  "(as with Megatron's disable_jit_fuser())",
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=inductor_lacks_device),
+          distribution=DISTRIBUTION, versions=CORE, when=inductor_lacks_device),
 ]

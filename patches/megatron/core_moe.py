@@ -16,7 +16,7 @@ from typing import Any
 
 from portspeed.patching.record import WRAP, Patch
 
-from .core_common import CORE_DIST
+from .ranges import DISTRIBUTION, MOE_TE_GEMM_UNBOUND
 
 __all__ = ["PATCHES", "bind_missing_te_gemm"]
 
@@ -33,7 +33,7 @@ def bind_missing_te_gemm(wrapped: Any, instance: Any, args: tuple, kwargs: dict)
 
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.moe.te_gemm_unbound", target=f"{_MOD}:router_gating_linear", kind=WRAP,
-          impl=bind_missing_te_gemm, distribution=CORE_DIST, versions=">=0.15,<0.17",
+          impl=bind_missing_te_gemm, distribution=DISTRIBUTION, versions=MOE_TE_GEMM_UNBOUND,
           reason="without Transformer Engine, megatron-core 0.15/0.16 leave te_general_gemm unbound and the MoE "
           "router's gating linear raises NameError; bind it to None so Megatron's torch path runs"),
 ]

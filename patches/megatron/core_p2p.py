@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from portspeed.accelerator import Accelerator
+from portspeed.accelerator.conditions import sends_from_buffer, translated
 from portspeed.errors import PortspeedError
 from portspeed.patching.record import WRAP, Patch
 
-from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
+from .ranges import CORE, DISTRIBUTION
 
-__all__ = ["PATCHES", "InterleavedP2PLayoutError", "sends_from_buffer"]
+__all__ = ["PATCHES", "InterleavedP2PLayoutError"]
 
 
 class InterleavedP2PLayoutError(PortspeedError, ValueError):
@@ -69,25 +69,20 @@ def send_private_copies(wrapped: Any, instance: Any, args: tuple, kwargs: dict) 
     return wrapped(*args, **kwargs)
 
 
-def sends_from_buffer(acc: Accelerator) -> bool:
-    """Condition: the adapter's backend reads a send's tensor until the send completes."""
-    return bool(acc.capabilities().sends_from_buffer)
-
-
 _SEND_COPY_REASON = ("Megatron frees a stage output right after posting its send, which NCCL has already captured; "
                      "a host backend still reads it, so send a private copy")
 
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.p2p.send_copy", target="megatron.core.pipeline_parallel.p2p_communication:_p2p_ops",
           kind=WRAP, impl=send_private_copies, reason=_SEND_COPY_REASON,
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=sends_from_buffer),
+          distribution=DISTRIBUTION, versions=CORE, when=sends_from_buffer),
     Patch(name="megatron.core.p2p.send_copy_batched",
           target="megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops",
           kind=WRAP, impl=send_private_copies, reason=_SEND_COPY_REASON,
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=sends_from_buffer),
+          distribution=DISTRIBUTION, versions=CORE, when=sends_from_buffer),
     Patch(name="megatron.core.p2p.interleaved_pp2_guard",
           target="megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
           kind=WRAP, impl=interleaved_guard,
           reason="with 2 pipeline ranks, batched interleaved p2p swaps messages silently on Gloo; fail with the fix instead",
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
+          distribution=DISTRIBUTION, versions=CORE, when=translated),
 ]

@@ -16,9 +16,10 @@ import logging
 from typing import Any
 
 from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import WRAP, Patch
 
-from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
+from .ranges import CORE, DISTRIBUTION
 
 __all__ = ["PATCHES", "sanitize_parallel_kwargs"]
 
@@ -63,5 +64,5 @@ PATCHES: list[Patch] = [
     Patch(name="megatron.core.parallel_state.nccl_options",
           target="megatron.core.parallel_state:initialize_model_parallel", kind=WRAP, impl=initialize_model_parallel,
           reason="NCCL communicator options, SHARP and an NCCL pipeline backend cannot be created on another adapter's backend",
-          distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda),
+          distribution=DISTRIBUTION, versions=CORE, when=translated),
 ]

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.conditions import translated
 from portspeed.errors import UnsupportedCudaCallError
 from portspeed.patching.record import REPLACE, WRAP, Patch
 
-from .core_common import CORE_DIST, CORE_VERSIONS, not_cuda
+from .ranges import CORE, DISTRIBUTION
 
 __all__ = ["PATCHES"]
 
@@ -65,7 +66,7 @@ def tracker_init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 _MOD = "megatron.core.tensor_parallel.random"
-_COMMON = dict(distribution=CORE_DIST, versions=CORE_VERSIONS, when=not_cuda)
+_COMMON = dict(distribution=DISTRIBUTION, versions=CORE, when=translated)
 
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.rng.get_state", target=f"{_MOD}:_get_cuda_rng_state", kind=REPLACE,

@@ -27,9 +27,11 @@ import os
 from typing import Any
 
 from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import WRAP, Patch
 
-from ._training_common import DISTRIBUTION, VERSIONS, log_once, off_cuda
+from ._training_common import log_once
+from .ranges import DISTRIBUTION, TRAINING
 
 __all__ = ["PATCHES", "KERNEL_FALLBACKS", "fall_back_to_torch_paths"]
 
@@ -89,8 +91,8 @@ PATCHES: list[Patch] = [
         kind=WRAP,
         impl=fall_back_to_torch_paths,
         distribution=DISTRIBUTION,
-        versions=VERSIONS,
-        when=off_cuda,
+        versions=TRAINING,
+        when=translated,
         reason="Megatron's defaults enable CUDA-only kernels (persistent layer norm, gradient-accumulation "
         "fusion, masked-softmax fusion) and assert CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism.",
     ),

@@ -15,7 +15,8 @@ from typing import Any
 
 from portspeed.patching.record import WRAP, Patch
 
-from ._training_common import DISTRIBUTION, VERSIONS, log
+from ._training_common import log
+from .ranges import DISTRIBUTION, TRAINING
 
 __all__ = ["PATCHES", "skip_build_when_prebuilt"]
 
@@ -44,7 +45,7 @@ PATCHES: list[Patch] = [
         kind=WRAP,
         impl=skip_build_when_prebuilt,
         distribution=DISTRIBUTION,
-        versions=VERSIONS,
+        versions=TRAINING,
         reason="Megatron-LM runs `make` for the dataset helpers at every start, which fails without "
         "pybind11 or in a read-only checkout although a prebuilt extension is importable.",
     ),

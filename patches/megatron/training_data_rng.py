@@ -21,7 +21,8 @@ import torch
 from portspeed.accelerator import Accelerator
 from portspeed.patching.record import WRAP, Patch
 
-from ._training_common import DISTRIBUTION, VERSIONS, log
+from ._training_common import log
+from .ranges import DISTRIBUTION, TRAINING
 
 __all__ = ["PATCHES", "keep_device_stream", "shares_host_generator"]
 
@@ -57,7 +58,7 @@ PATCHES: list[Patch] = [
         kind=WRAP,
         impl=keep_device_stream,
         distribution=DISTRIBUTION,
-        versions=VERSIONS,
+        versions=TRAINING,
         when=shares_host_generator,
         reason=_REASON,
     ),

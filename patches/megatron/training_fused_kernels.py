@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import REPLACE, Patch
 
-from ._training_common import DISTRIBUTION, VERSIONS, off_cuda
+from .ranges import DISTRIBUTION, LEGACY_FUSED_KERNELS
 
 __all__ = ["PATCHES", "load_nothing"]
 
@@ -30,8 +31,8 @@ PATCHES: list[Patch] = [
         kind=REPLACE,
         impl=load_nothing,
         distribution=DISTRIBUTION,
-        versions=">=0.16,<0.17",  # megatron.legacy.fused_kernels is gone from core_v0.17.0 on
-        when=off_cuda,
+        versions=LEGACY_FUSED_KERNELS,
+        when=translated,
         reason="fused_kernels.load probes nvcc under CUDA_HOME (None without a CUDA toolkit) and builds "
         "nothing, so off CUDA it only crashes.",
     ),

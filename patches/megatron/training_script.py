@@ -21,9 +21,11 @@ import os
 import sys
 from typing import Any
 
+from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import WRAP, Patch
 
-from ._training_common import DISTRIBUTION, log_once, off_cuda
+from ._training_common import log_once
+from .ranges import DISTRIBUTION, SCRIPT_MOVES_BATCHES
 
 __all__ = ["PATCHES", "checkout_root", "checkout_modules", "scope_checkout_scripts"]
 
@@ -70,8 +72,8 @@ PATCHES: list[Patch] = [
         kind=WRAP,
         impl=scope_checkout_scripts,
         distribution=DISTRIBUTION,
-        versions=">=0.18",  # core_v0.18's pretrain_gpt.py is the first to call .cuda() itself
-        when=off_cuda,
+        versions=SCRIPT_MOVES_BATCHES,
+        when=translated,
         reason="From core_v0.18 the stock pretrain_gpt.py moves each batch with tensor.cuda() in its own "
         "get_batch; the script is __main__, not a framework module, so the call reached the real torch.cuda.",
     ),

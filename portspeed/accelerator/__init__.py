@@ -10,8 +10,12 @@ and never a framework.
 - ``selection``   which adapter is active (``get_accelerator``, ``set_accelerator``).
 - ``conditions``  the declared conditions patches use as ``when=``, written once.
 - ``scope``       which modules are framework modules (see the translated torch).
-- ``cuda_view``   the torch.cuda API answered by the active adapter, as a table.
-- ``translation`` the scoped torch view given to framework modules.
+- ``cuda_rules``  the rule kinds the torch.cuda view is written in (delegate, constant,
+                  unsupported...) and how a table of them is built, once, into functions.
+- ``cuda_view``   ``CudaView``: the torch.cuda API answered by the active adapter, as a table.
+- ``torch_namespace`` ``TorchView`` (torch with CUDA device arguments translated) and
+                  ``names_cuda`` / ``translate_device`` for the Tensor/Module patches.
+- ``translation`` the scoped import: which modules get the views, enable/disable.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """``CudaView``: the torch.cuda API as framework modules see it, answered by the active adapter.
 
+The view is a table, ``CUDA_API`` (torch.cuda name -> rule, in the rule kinds of
+``portspeed.accelerator.cuda_rules``), built into plain functions and objects once, when
+this module is imported; this module holds the table and the few hand-written pieces it
+uses (device context, generators, properties, ranges, amp).
+
 Contract: each name Megatron / DeepSpeed use maps onto ``portspeed.accelerator.get_accelerator()``
 with torch.cuda's signatures and return types (``current_device()`` is an int,
 ``default_generators[i]`` a generator, ``_lazy_call`` runs at once); CUDA-only features
@@ -26,9 +31,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.cuda_rules import (BOOL, DISCARD, INT, Alias, Delegate, Forward, NamedOnly, Namespace,
+                                              Returns, Signature, Unsupported, Use, build)
 from portspeed.errors import UnsupportedCudaCallError
 
-__all__ = ["CudaView"]
+__all__ = ["CUDA_API", "CudaView"]
 
 _REAL_TORCH = torch
 _REAL_CUDA = torch.cuda
@@ -130,15 +137,16 @@ def _cuda_autocast(*args: Any, **kwargs: Any) -> Any:
 class _Namespace(types.ModuleType):
     """A small module-like namespace (nvtx, amp, random, memory) whose unknown names raise clearly."""
 
-    def __init__(self, name: str, **attrs: Any) -> None:
+    def __init__(self, name: str, attrs: dict[str, Any], hints: dict[str, str]) -> None:
         super().__init__(name)
         self.__dict__.update(attrs)
+        self._hints = hints
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
         short = self.__name__.removeprefix("torch.cuda.")
-        raise _unsupported(f"{short}.{attr}", _caller())
+        raise _unsupported(f"{short}.{attr}", _caller(), self._hints.get(attr, ""))
 
 
 def _unavailable_type(name: str, hint: str) -> type:
@@ -151,275 +159,218 @@ def _unavailable_type(name: str, hint: str) -> type:
                            "__doc__": f"torch.cuda.{name} has no translation off CUDA ({hint})"})
 
 
+# ---------------------------------------------------------------------- hand-written pieces of the table
+def _lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
+    """Run now: a CPU build's torch.cuda._lazy_call queues the callback forever (a silent no-op)."""
+    callable()
+
+
+def _set_device(device: Any) -> None:
+    """torch.cuda.set_device: a negative index or None leaves the current device."""
+    idx = _device_index(device)
+    if idx is not None:
+        get_accelerator().set_device(idx)
+
+
+def _get_device_properties(device: Any = None) -> _DeviceProperties:
+    idx = _device_index(device)
+    return _DeviceProperties(get_accelerator().current_device() if idx is None else idx)
+
+
+def _get_device_name(device: Any = None) -> str:
+    idx = _device_index(device)
+    return _DeviceProperties(get_accelerator().current_device() if idx is None else idx).name
+
+
+def _get_rng_state_all() -> list[torch.Tensor]:
+    acc = get_accelerator()
+    return [acc.get_rng_state(i) for i in range(max(1, acc.device_count()))]
+
+
+def _set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
+    acc = get_accelerator()
+    for i, s in enumerate(new_states):
+        acc.set_rng_state(s, i)
+
+
+def _seed() -> None:
+    get_accelerator().default_generator().seed()
+
+
+def _set_stream(stream: Any) -> None:
+    """Streams of a device without streams are all the same ordered stream: nothing to switch."""
+    acc = get_accelerator()
+    fn = getattr(acc.module, "set_stream", None) if acc.device_type not in ("cpu",) else None
+    if fn is not None:
+        fn(stream)
+
+
+def _mem_get_info(device: Any = None) -> tuple[int, int]:
+    acc = get_accelerator()
+    idx = _device_index(device)
+    total = acc.total_memory(idx)
+    return (max(0, total - acc.memory_allocated(idx)), total)
+
+
+@contextlib.contextmanager
+def _range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+    acc = get_accelerator()
+    acc.range_push(msg.format(*args, **kwargs) if (args or kwargs) else msg)
+    try:
+        yield
+    finally:
+        acc.range_pop()
+
+
+def _custom_fwd(fwd: Any = None, **kwargs: Any) -> Any:
+    kwargs.setdefault("device_type", get_accelerator().device_type)
+    return _REAL_TORCH.amp.custom_fwd(fwd, **kwargs) if fwd is not None else functools.partial(
+        _REAL_TORCH.amp.custom_fwd, **kwargs)
+
+
+def _custom_bwd(bwd: Any = None, **kwargs: Any) -> Any:
+    kwargs.setdefault("device_type", get_accelerator().device_type)
+    return _REAL_TORCH.amp.custom_bwd(bwd, **kwargs) if bwd is not None else functools.partial(
+        _REAL_TORCH.amp.custom_bwd, **kwargs)
+
+
+def _grad_scaler(*args: Any, **kwargs: Any) -> Any:
+    return _REAL_TORCH.amp.GradScaler(get_accelerator().device_type, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------- the table
+NOTHING = Signature()
+DEVICE = Signature("device=None", "_device_index(device)")
+CUDA_DEVICE = Signature("device='cuda'", "_device_index(device)")
+STATE_ON_CUDA_DEVICE = Signature("new_state, device='cuda'", "new_state, _device_index(device)")
+SEED = Signature("seed", "int(seed)")
+ANYTHING = Signature("*args, **kwargs", "*args, **kwargs")
+STREAM = Signature("stream", "stream")
+MESSAGE = Signature("msg", "msg")
+
+_GRAPHS = "CUDA graphs need CUDA; turn off cuda-graph options"
+_POOLS = "CUDA memory pools (nccl_ub, UVM) need CUDA"
+
+#: torch.cuda name -> rule: everything framework modules see of torch.cuda. A name not listed
+#: raises UnsupportedCudaCallError (an AttributeError, so ``hasattr`` probes answer False).
+CUDA_API: dict[str, Any] = {
+    # device-neutral types and exceptions: torch.cuda's own
+    **{name: Forward() for name in ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor", "LongTensor",
+                                    "IntTensor", "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor",
+                                    "OutOfMemoryError")},
+    # availability and devices
+    "is_available": Delegate("is_available", result=BOOL),
+    "is_initialized": Returns(True),
+    "_initialized": Use(True),
+    "_lazy_init": Returns(None),
+    "_lazy_call": Use(_lazy_call),
+    "init": Returns(None),
+    "device_count": Delegate("device_count", result=INT),
+    "current_device": Delegate("current_device", result=INT),
+    "set_device": Use(_set_device),
+    "device": Use(_DeviceContext),
+    "synchronize": Delegate("synchronize", DEVICE, DISCARD),
+    "get_device_properties": Use(_get_device_properties),
+    # (0, 0): no CUDA compute capability, so capability-gated CUDA paths stay off
+    "get_device_capability": Returns((0, 0), "device=None"),
+    "get_device_name": Use(_get_device_name),
+    "is_bf16_supported": Delegate("is_bf16_supported", Signature("including_emulation=True"), BOOL),
+    # nothing is ever being captured into a CUDA graph here
+    "is_current_stream_capturing": Returns(False),
+    # random number generation
+    "default_generators": Use(_Generators()),
+    "get_rng_state": Delegate("get_rng_state", CUDA_DEVICE),
+    "set_rng_state": Delegate("set_rng_state", STATE_ON_CUDA_DEVICE, DISCARD),
+    "get_rng_state_all": Use(_get_rng_state_all),
+    "set_rng_state_all": Use(_set_rng_state_all),
+    "manual_seed": Delegate("manual_seed", SEED, DISCARD),
+    "manual_seed_all": Delegate("manual_seed_all", SEED, DISCARD),
+    "seed": Use(_seed),
+    "initial_seed": Delegate("initial_seed", result=INT),
+    # streams and events
+    "Stream": Delegate("Stream", ANYTHING),
+    "Event": Delegate("Event", ANYTHING),
+    "current_stream": Delegate("current_stream", DEVICE),
+    "default_stream": Delegate("default_stream", DEVICE),
+    "stream": Delegate("stream", STREAM),
+    "set_stream": Use(_set_stream),
+    # memory
+    "memory_allocated": Delegate("memory_allocated", DEVICE),
+    "max_memory_allocated": Delegate("max_memory_allocated", DEVICE),
+    "memory_reserved": Delegate("memory_reserved", DEVICE),
+    "max_memory_reserved": Delegate("max_memory_reserved", DEVICE),
+    "reset_peak_memory_stats": Delegate("reset_peak_memory_stats", DEVICE, DISCARD),
+    "reset_max_memory_allocated": Alias("reset_peak_memory_stats"),
+    "memory_stats": Delegate("memory_stats", DEVICE),
+    "empty_cache": Delegate("empty_cache", result=DISCARD),
+    "mem_get_info": Use(_mem_get_info),
+    # autocast on the adapter's device type
+    "autocast": Use(_cuda_autocast),
+    # sub-namespaces
+    "nvtx": Namespace({"range_push": Delegate("range_push", MESSAGE, DISCARD),
+                       "range_pop": Delegate("range_pop", result=DISCARD),
+                       "range": Use(_range), "mark": Returns(None, "msg")}),
+    "amp": Namespace({"autocast": Use(_cuda_autocast), "custom_fwd": Use(_custom_fwd),
+                      "custom_bwd": Use(_custom_bwd), "GradScaler": Use(_grad_scaler)}),
+    "random": Namespace({name: Alias(name) for name in (
+        "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "initial_seed", "seed",
+        "get_rng_state_all", "set_rng_state_all")}),
+    "memory": Namespace({name: Alias(name) for name in (
+        "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+        "reset_peak_memory_stats", "memory_stats", "empty_cache", "mem_get_info", "reset_max_memory_allocated")}),
+    # CUDA-only features: no translation, the error says so at the first touch
+    "CUDAGraph": Unsupported(_GRAPHS),
+    "graph": Unsupported(_GRAPHS),
+    "graphs": Unsupported(_GRAPHS),
+    "graph_pool_handle": Unsupported(_GRAPHS),
+    "make_graphed_callables": Unsupported(_GRAPHS),
+    "MemPool": Unsupported(_POOLS),
+    "use_mem_pool": Unsupported(_POOLS),
+    # named in annotations at import time (Megatron-LM's megatron.core.resharding, imported by
+    # megatron.training): naming it works, constructing one raises
+    "ExternalStream": NamedOnly("external CUDA streams need CUDA"),
+    "CUDAPluggableAllocator": Unsupported("pluggable CUDA allocators need CUDA"),
+    # not a CUDA-only feature: the name does not exist in torch.cuda on any build, so the view
+    # does not invent it (a hasattr probe must answer as it does on CUDA)
+    "Generator": Unsupported("torch.cuda has no Generator on any torch build, CUDA included; "
+                             "torch.Generator(device='cuda') is the CUDA generator and is translated"),
+}
+
+_ATTRIBUTES, _NO_TRANSLATION, _NAMED_ONLY = build(CUDA_API, globals(), _REAL_CUDA, _Namespace)
+
+
 class CudaView(types.ModuleType):
     """torch.cuda as framework modules see it: each call answered by the active adapter.
 
-    Only names listed here exist; any other raises UnsupportedCudaCallError (an
-    AttributeError, so ``hasattr`` probes answer False).
+    Only the names of ``CUDA_API`` exist; any other raises UnsupportedCudaCallError (an
+    AttributeError, so ``hasattr`` probes answer False). The table's functions are the
+    class's static methods (built once at import); its objects (namespaces, the device
+    context, the generators) are set on each view.
     """
 
-    #: torch.cuda names forwarded unchanged: type objects and exceptions that are device-neutral.
-    _FORWARD = ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor", "LongTensor", "IntTensor",
-                "ByteTensor", "BoolTensor", "CharTensor", "ShortTensor", "OutOfMemoryError")
-    #: CUDA-only features with no translation; the error says so at the first touch.
-    _NO_TRANSLATION = {
-        "CUDAGraph": "CUDA graphs need CUDA; turn off cuda-graph options",
-        "graph": "CUDA graphs need CUDA; turn off cuda-graph options",
-        "graphs": "CUDA graphs need CUDA; turn off cuda-graph options",
-        "graph_pool_handle": "CUDA graphs need CUDA; turn off cuda-graph options",
-        "make_graphed_callables": "CUDA graphs need CUDA; turn off cuda-graph options",
-        "MemPool": "CUDA memory pools (nccl_ub, UVM) need CUDA",
-        "use_mem_pool": "CUDA memory pools (nccl_ub, UVM) need CUDA",
-        "ExternalStream": "external CUDA streams need CUDA",
-        "CUDAPluggableAllocator": "pluggable CUDA allocators need CUDA",
-        # not a CUDA-only feature: the name does not exist in torch.cuda on any build, so the
-        # view does not invent it (a hasattr probe must answer as it does on CUDA)
-        "Generator": "torch.cuda has no Generator on any torch build, CUDA included; "
-                     "torch.Generator(device='cuda') is the CUDA generator and is translated",
-    }
+    #: CUDA-only features with no translation (from CUDA_API): name -> what the error says.
+    _NO_TRANSLATION = _NO_TRANSLATION
 
     def __init__(self) -> None:
         super().__init__("torch.cuda", "torch.cuda translated onto the active portspeed adapter")
-        for name in self._FORWARD:
-            if hasattr(_REAL_CUDA, name):
-                self.__dict__[name] = getattr(_REAL_CUDA, name)
-        self.default_generators = _Generators()
-        self.device = _DeviceContext
-        self._initialized = True
-        self.nvtx = _Namespace("torch.cuda.nvtx", range_push=self._range_push, range_pop=self._range_pop,
-                               range=self._range, mark=lambda msg: None)
-        amp = _Namespace(
-            "torch.cuda.amp",
-            autocast=_cuda_autocast,
-            custom_fwd=self._custom_fwd,
-            custom_bwd=self._custom_bwd,
-            GradScaler=lambda *a, **k: _REAL_TORCH.amp.GradScaler(get_accelerator().device_type, *a, **k),
-        )
-        self.amp = amp
-        self.random = _Namespace(
-            "torch.cuda.random", get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state,
-            manual_seed=self.manual_seed, manual_seed_all=self.manual_seed_all,
-            initial_seed=self.initial_seed, seed=self.seed, get_rng_state_all=self.get_rng_state_all,
-            set_rng_state_all=self.set_rng_state_all)
-        memory_names = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-                        "reset_peak_memory_stats", "memory_stats", "empty_cache", "mem_get_info",
-                        "reset_max_memory_allocated")
-        self.memory = _Namespace("torch.cuda.memory", **{n: getattr(self, n) for n in memory_names})
-
-    #: CUDA-only classes that framework code names in annotations at import time (Megatron-LM's
-    #: megatron.core.resharding, imported by megatron.training): naming them works, constructing
-    #: one raises (see _unavailable_type).
-    _TYPES_NAMED_AT_IMPORT = ("ExternalStream",)
+        for name, value in _ATTRIBUTES.items():
+            if not isinstance(vars(CudaView).get(name), staticmethod):
+                self.__dict__[name] = value
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
             raise AttributeError(attr)
-        if attr in self._TYPES_NAMED_AT_IMPORT:
-            cls = _unavailable_type(attr, self._NO_TRANSLATION.get(attr, ""))
+        if attr in _NAMED_ONLY:
+            cls = _unavailable_type(attr, _NAMED_ONLY[attr])
             self.__dict__[attr] = cls
             return cls
-        raise _unsupported(attr, _caller(), self._NO_TRANSLATION.get(attr, ""))
+        raise _unsupported(attr, _caller(), _NO_TRANSLATION.get(attr, ""))
 
     def __repr__(self) -> str:
         return f"<portspeed CudaView of torch.cuda on {get_accelerator().name!r}>"
 
-    # -- availability and devices ------------------------------------------------
-    @staticmethod
-    def is_available() -> bool:
-        """True: an accelerator (the adapter's) is there for the framework."""
-        return bool(get_accelerator().is_available())
 
-    @staticmethod
-    def is_initialized() -> bool:
-        return True
-
-    @staticmethod
-    def _lazy_init() -> None:
-        return None
-
-    @staticmethod
-    def _lazy_call(callable: Callable[[], Any], **kwargs: Any) -> None:
-        """Run now: a CPU build's torch.cuda._lazy_call queues the callback forever (a silent no-op)."""
-        callable()
-
-    @staticmethod
-    def init() -> None:
-        return None
-
-    @staticmethod
-    def device_count() -> int:
-        return int(get_accelerator().device_count())
-
-    @staticmethod
-    def current_device() -> int:
-        return int(get_accelerator().current_device())
-
-    @staticmethod
-    def set_device(device: Any) -> None:
-        idx = _device_index(device)
-        if idx is not None:
-            get_accelerator().set_device(idx)
-
-    @staticmethod
-    def synchronize(device: Any = None) -> None:
-        get_accelerator().synchronize(_device_index(device))
-
-    @staticmethod
-    def get_device_properties(device: Any = None) -> _DeviceProperties:
-        idx = _device_index(device)
-        return _DeviceProperties(get_accelerator().current_device() if idx is None else idx)
-
-    @staticmethod
-    def get_device_capability(device: Any = None) -> tuple[int, int]:
-        """(0, 0): no CUDA compute capability, so capability-gated CUDA paths stay off."""
-        return (0, 0)
-
-    @staticmethod
-    def get_device_name(device: Any = None) -> str:
-        idx = _device_index(device)
-        return _DeviceProperties(get_accelerator().current_device() if idx is None else idx).name
-
-    @staticmethod
-    def is_bf16_supported(including_emulation: bool = True) -> bool:
-        return bool(get_accelerator().is_bf16_supported())
-
-    @staticmethod
-    def is_current_stream_capturing() -> bool:
-        """False: nothing is ever being captured into a CUDA graph here."""
-        return False
-
-    # -- random number generation -------------------------------------------------
-    @staticmethod
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
-        return get_accelerator().get_rng_state(_device_index(device))
-
-    @staticmethod
-    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-        get_accelerator().set_rng_state(new_state, _device_index(device))
-
-    @staticmethod
-    def get_rng_state_all() -> list[torch.Tensor]:
-        acc = get_accelerator()
-        return [acc.get_rng_state(i) for i in range(max(1, acc.device_count()))]
-
-    @staticmethod
-    def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:
-        acc = get_accelerator()
-        for i, s in enumerate(new_states):
-            acc.set_rng_state(s, i)
-
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        get_accelerator().manual_seed(int(seed))
-
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        get_accelerator().manual_seed_all(int(seed))
-
-    @staticmethod
-    def seed() -> None:
-        get_accelerator().default_generator().seed()
-
-    @staticmethod
-    def initial_seed() -> int:
-        return int(get_accelerator().initial_seed())
-
-    # -- streams and events ---------------------------------------------------------
-    @staticmethod
-    def Stream(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - mirrors torch.cuda
-        return get_accelerator().Stream(*args, **kwargs)
-
-    @staticmethod
-    def Event(*args: Any, **kwargs: Any) -> Any:  # noqa: N802
-        return get_accelerator().Event(*args, **kwargs)
-
-    @staticmethod
-    def current_stream(device: Any = None) -> Any:
-        return get_accelerator().current_stream(_device_index(device))
-
-    @staticmethod
-    def default_stream(device: Any = None) -> Any:
-        return get_accelerator().default_stream(_device_index(device))
-
-    @staticmethod
-    def stream(stream: Any) -> Any:
-        return get_accelerator().stream(stream)
-
-    @staticmethod
-    def set_stream(stream: Any) -> None:
-        """Streams of a device without streams are all the same ordered stream: nothing to switch."""
-        acc = get_accelerator()
-        fn = getattr(acc.module, "set_stream", None) if acc.device_type not in ("cpu",) else None
-        if fn is not None:
-            fn(stream)
-
-    # -- memory ------------------------------------------------------------------------
-    @staticmethod
-    def memory_allocated(device: Any = None) -> int:
-        return get_accelerator().memory_allocated(_device_index(device))
-
-    @staticmethod
-    def max_memory_allocated(device: Any = None) -> int:
-        return get_accelerator().max_memory_allocated(_device_index(device))
-
-    @staticmethod
-    def memory_reserved(device: Any = None) -> int:
-        return get_accelerator().memory_reserved(_device_index(device))
-
-    @staticmethod
-    def max_memory_reserved(device: Any = None) -> int:
-        return get_accelerator().max_memory_reserved(_device_index(device))
-
-    @staticmethod
-    def reset_peak_memory_stats(device: Any = None) -> None:
-        get_accelerator().reset_peak_memory_stats(_device_index(device))
-
-    reset_max_memory_allocated = reset_peak_memory_stats
-
-    @staticmethod
-    def memory_stats(device: Any = None) -> dict[str, Any]:
-        return get_accelerator().memory_stats(_device_index(device))
-
-    @staticmethod
-    def empty_cache() -> None:
-        get_accelerator().empty_cache()
-
-    @staticmethod
-    def mem_get_info(device: Any = None) -> tuple[int, int]:
-        acc = get_accelerator()
-        idx = _device_index(device)
-        total = acc.total_memory(idx)
-        return (max(0, total - acc.memory_allocated(idx)), total)
-
-    # -- profiling ranges and amp ----------------------------------------------------------
-    @staticmethod
-    def _range_push(msg: str) -> None:
-        get_accelerator().range_push(msg)
-
-    @staticmethod
-    def _range_pop() -> None:
-        get_accelerator().range_pop()
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _range(msg: str, *args: Any, **kwargs: Any) -> Iterator[None]:
-        acc = get_accelerator()
-        acc.range_push(msg.format(*args, **kwargs) if (args or kwargs) else msg)
-        try:
-            yield
-        finally:
-            acc.range_pop()
-
-    @staticmethod
-    def _custom_fwd(fwd: Any = None, **kwargs: Any) -> Any:
-        kwargs.setdefault("device_type", get_accelerator().device_type)
-        return _REAL_TORCH.amp.custom_fwd(fwd, **kwargs) if fwd is not None else functools.partial(
-            _REAL_TORCH.amp.custom_fwd, **kwargs)
-
-    @staticmethod
-    def _custom_bwd(bwd: Any = None, **kwargs: Any) -> Any:
-        kwargs.setdefault("device_type", get_accelerator().device_type)
-        return _REAL_TORCH.amp.custom_bwd(bwd, **kwargs) if bwd is not None else functools.partial(
-            _REAL_TORCH.amp.custom_bwd, **kwargs)
-
-    autocast = staticmethod(_cuda_autocast)
+for _name, _value in _ATTRIBUTES.items():
+    if isinstance(_value, types.FunctionType):
+        setattr(CudaView, _name, staticmethod(_value))
+del _name, _value

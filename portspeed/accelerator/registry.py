@@ -1,8 +1,17 @@
 """Where adapters come from: the built-in table and the ``portspeed.adapters`` entry points.
 
-Built-in adapters live in ``portspeed.adapters`` (one file per device) and are listed in
-``BUILTIN_ADAPTERS``; third-party ones (the test device among them) register in the
-entry-point group ``ENTRY_POINT_GROUP`` and need no line here.
+Adding a vendor:
+
+- *built-in* (shipped in this repository): a file in ``adapters/`` (installed as
+  ``portspeed.adapters``), a line in ``BUILTIN_ADAPTERS`` below, and its place in
+  ``DETECTION_ORDER`` (auto-detection tries the built-ins in that order; a vendor device
+  goes before ``cuda`` when its torch build also answers ``torch.cuda``, and ``cpu`` stays
+  last). Three edits, all in this package's data; no other module names an adapter.
+- *third-party* (its own package; portspeed's test device is one): an entry point in the
+  group ``ENTRY_POINT_GROUP`` naming the ``Accelerator`` subclass, and no line here.
+  Entry-point adapters are auto-detected before every built-in (``selection``).
+
+``docs/writing-an-adapter.md`` walks through both.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ __all__ = ["BUILTIN_ADAPTERS", "DETECTION_ORDER", "ENTRY_POINT_GROUP", "adapter_
 
 ENTRY_POINT_GROUP = "portspeed.adapters"
 
-#: Built-in adapters: name -> "module:Class". Adding a vendor is adding a file and a line here.
+#: Built-in adapters: name -> "module:Class". A built-in vendor is its file, a line here and a place
+#: in DETECTION_ORDER; a third-party adapter is an entry point and needs neither.
 BUILTIN_ADAPTERS: dict[str, str] = {
     "cpu": "portspeed.adapters.cpu:CpuAccelerator",
     "cuda": "portspeed.adapters.cuda:CudaAccelerator",
@@ -30,7 +40,7 @@ BUILTIN_ADAPTERS: dict[str, str] = {
     "hpu": "portspeed.adapters.hpu:HpuAccelerator",
 }
 
-#: Auto-detection order of the built-ins (documented in the README).
+#: Auto-detection order of the built-ins (documented in the README); every built-in appears once.
 DETECTION_ORDER: tuple[str, ...] = ("npu", "mlu", "musa", "hpu", "xpu", "cuda", "cpu")
 
 #: (sys.path when scanned, adapters found): the entry-point scan reads the metadata of every

@@ -1,14 +1,10 @@
-"""The scoped torch / torch.cuda translation seen by framework modules only.
+"""The scoped translation: framework modules, and only they, get the torch / torch.cuda views.
 
 Contract
-- ``CudaView`` (in ``portspeed.accelerator.cuda_view``) is a module-like object that answers the
-  torch.cuda API Megatron and DeepSpeed use from the active adapter (``get_accelerator()``).
-  An attribute it does not map raises ``UnsupportedCudaCallError`` naming the call, the
-  caller's file:line and the adapter.
-- ``TorchView`` is a module-like proxy of ``torch``: ``.cuda`` is the CudaView, tensor
-  factories, ``autocast`` and ``Generator`` translate CUDA device arguments to the adapter's device,
-  everything else is the real torch object (copied into the view's namespace, so an
-  attribute read costs what it costs on the real module).
+- The views themselves live beside this module: ``CudaView`` (``cuda_view``, the torch.cuda
+  API answered by the active adapter, built from a table) and ``TorchView``
+  (``torch_namespace``, torch with CUDA device arguments translated). Here they are made
+  once per process (``cuda_view()``, ``torch_view()``) and handed out.
 - ``enable()`` gives the views to *framework modules* (names under the prefixes in
   ``framework_prefixes()``: ``megatron``, plus ``PORTSPEED_FRAMEWORK_MODULES`` and
   ``add_framework_prefixes``): modules imported later get a ``__builtins__`` whose
@@ -16,13 +12,19 @@ Contract
   module body runs, so ``import torch`` and ``from torch.cuda import x`` bind the view);
   modules already imported have their bindings rebound. ``disable()`` undoes both.
   torch itself and every other library keep the real ``torch.cuda``.
+- ``caller_is_framework()`` answers, for the Tensor/Module patches, whether the calling
+  code is a framework module (prefixes cached for the hot path).
 
 Limits: objects a framework module received from the real torch before ``enable()`` and
 stored elsewhere than its globals (closures, containers) keep the real object, and
 functions defined before ``enable()`` keep the builtins they were created with, so an
 ``import torch`` *inside* such a function binds the real torch (module-level names are
 rebound; ``tests/test_megatron_core_parity.py::test_adaptor_imported_after_megatron``
-trains with that order). On a CUDA adapter nothing is translated: ``enable()`` is a no-op.
+trains with that order). On an adapter that runs CUDA natively
+(``Accelerator.runs_cuda_natively``) nothing is translated: ``enable()`` is a no-op.
+
+The names of ``torch_namespace`` (``names_cuda``, ``translate_device``, ``TorchView``,
+``Generator``, ``FACTORIES``) and ``CudaView`` stay importable from here.
 
 Example::
 
@@ -35,7 +37,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import functools
 import importlib.abc
 import importlib.machinery
 import logging
@@ -47,14 +48,17 @@ from typing import Any, Callable, Iterator
 import torch
 
 from portspeed.accelerator import get_accelerator
-from portspeed.accelerator.cuda_view import CudaView, _autocast
-from portspeed.errors import ConfigError
 from portspeed.accelerator import scope as framework_modules
+from portspeed.accelerator.cuda_view import CudaView
 from portspeed.accelerator.scope import (DEFAULT_PREFIXES, FRAMEWORK_ENV, framework_prefixes, is_framework_module,
-                                valid_prefix)
+                                         valid_prefix)
+from portspeed.accelerator.torch_namespace import FACTORIES, Generator, TorchView, names_cuda, translate_device
+from portspeed.errors import ConfigError
 
 __all__ = [
     "CudaView",
+    "FACTORIES",
+    "Generator",
     "TorchView",
     "FRAMEWORK_ENV",
     "add_framework_prefixes",
@@ -76,133 +80,6 @@ log = logging.getLogger("portspeed.accelerator.translation")
 
 _REAL_TORCH = torch
 _REAL_CUDA = torch.cuda
-_DEVICE = torch.device
-
-
-# ---------------------------------------------------------------------- device translation
-def names_cuda(value: Any) -> bool:
-    """Whether ``value`` names a CUDA device the way torch accepts one ("cuda", "cuda:1", device, int)."""
-    t = type(value)
-    if t is str:
-        return value.startswith("cuda")
-    if t is _DEVICE:
-        return value.type == "cuda"
-    return t is int
-
-
-def translate_device(value: Any) -> Any:
-    """The adapter's device for a CUDA device argument; any other value is returned unchanged."""
-    t = type(value)
-    if t is str:
-        if not value.startswith("cuda"):
-            return value
-        index = _DEVICE(value).index
-    elif t is _DEVICE:
-        if value.type != "cuda":
-            return value
-        index = value.index
-    elif t is int:
-        index = value
-    else:
-        return value
-    acc = get_accelerator()
-    key = (id(acc), index)
-    dev = _device_cache.get(key)
-    if dev is None or dev[0] is not acc:
-        dev = (acc, acc.device(index))
-        if acc.device_type == "cpu" or index is not None:  # "cuda" alone follows the current device
-            _device_cache[key] = dev
-    return dev[1]
-
-
-_device_cache: dict[tuple[int, Any], tuple[Any, torch.device]] = {}
-
-
-# ---------------------------------------------------------------------- torch view
-#: torch functions that take ``device=`` and so get a translating wrapper in the view.
-FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "rand", "randn", "randint",
-    "randperm", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-    "randint_like", "linspace", "logspace", "eye", "empty_strided", "scalar_tensor", "tril_indices",
-    "triu_indices", "normal", "frombuffer",
-)
-
-
-def _factory(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a torch factory so a CUDA ``device=`` lands on the adapter's device."""
-
-    @functools.wraps(fn)
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        d = kwargs.get("device")
-        if d is not None:
-            kwargs["device"] = translate_device(d)
-        return fn(*args, **kwargs)
-
-    factory.__portspeed_original__ = fn  # type: ignore[attr-defined]
-    return factory
-
-
-class _GeneratorType(type):
-    """Metaclass of the view's ``Generator``: it *is* torch.Generator for isinstance, issubclass and class attributes.
-
-    Megatron probes ``hasattr(torch.Generator, "graphsafe_set_state")`` and tests
-    ``isinstance(state, torch.Generator)``; both must answer as for the real class.
-    """
-
-    def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _REAL_TORCH.Generator)
-
-    def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _REAL_TORCH.Generator)
-
-    def __getattr__(cls, attr: str) -> Any:
-        return getattr(_REAL_TORCH.Generator, attr)
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Generator:
-        if args:
-            args = (translate_device(args[0]), *args[1:])
-        if "device" in kwargs:
-            kwargs["device"] = translate_device(kwargs["device"])
-        return _REAL_TORCH.Generator(*args, **kwargs)
-
-
-class Generator(metaclass=_GeneratorType):
-    """``torch.Generator`` for framework modules: a CUDA ``device`` (name, torch.device or int index) means the adapter's.
-
-    Megatron's text-generation controller makes its sampling generator with
-    ``torch.Generator(device=torch.cuda.current_device())``; off CUDA that device must be
-    the adapter's, and the generator the adapter's device generator type. Instances are
-    real ``torch.Generator`` objects.
-    """
-
-    __portspeed_original__ = _REAL_TORCH.Generator
-
-
-class TorchView(types.ModuleType):
-    """``torch`` as framework modules see it: the real namespace, with ``cuda`` and factories translated."""
-
-    def __init__(self, cuda: CudaView) -> None:
-        super().__init__("torch", _REAL_TORCH.__doc__)
-        self.__dict__.update(_REAL_TORCH.__dict__)
-        self.__dict__["__name__"] = "torch"
-        self.__dict__["__portspeed_view__"] = True
-        for name in FACTORIES:
-            fn = getattr(_REAL_TORCH, name, None)
-            if fn is not None:
-                self.__dict__[name] = _factory(fn)
-        self.__dict__["autocast"] = _autocast
-        self.__dict__["Generator"] = Generator
-        self.__dict__["cuda"] = cuda
-
-    def __getattr__(self, attr: str) -> Any:
-        # names torch creates lazily (submodules imported later, deprecated aliases)
-        value = getattr(_REAL_TORCH, attr)
-        if attr != "cuda":
-            self.__dict__[attr] = value
-        return value
-
-    def __repr__(self) -> str:
-        return "<portspeed TorchView of torch>"
 
 
 _cuda_view: CudaView | None = None
@@ -402,12 +279,12 @@ def _unscope_all() -> None:
 
 
 def enable() -> bool:
-    """Scope the views onto framework modules (now and at later imports); False on a CUDA adapter."""
+    """Scope the views onto framework modules (now and at later imports); False where CUDA runs natively."""
     global _enabled, _finder, _BUILTINS
     with _lock:
         acc = get_accelerator()
-        if acc.device_type == "cuda":
-            log.debug("portspeed: adapter %r is CUDA; torch.cuda is not translated", acc.name)
+        if acc.runs_cuda_natively:
+            log.debug("portspeed: adapter %r runs CUDA natively; torch.cuda is not translated", acc.name)
             return False
         if _enabled:
             reload_prefixes()
