@@ -38,11 +38,13 @@ from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, 
 
 from portspeed import config  # noqa: E402
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
-from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator  # noqa: E402
-from portspeed.comm.capabilities import check_backend_name  # noqa: E402
+from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator, registered_backend  # noqa: E402
+from portspeed.comm.capabilities import KNOWN_BACKENDS, check_backend_name  # noqa: E402
 from portspeed.errors import MissingVendorPackageError, UnknownBackendError, UnsupportedCudaCallError  # noqa: E402
 
-ADAPTERS = ("cpu", "cuda", "npu", "xpu", "mlu", "musa", "hpu")
+ADAPTERS = tuple(BUILTIN_ADAPTERS)
+#: built-ins checked on their real device (cuda only where a GPU exists); every other one has a fake
+REAL_DEVICES = ("cpu", "cuda")
 #: adapters whose fake needs a PrivateUse1 rename, so a process of their own
 IN_CHILD = ("npu", "mlu", "musa")
 FAKES: dict[str, Callable[..., Any]] = {
@@ -54,24 +56,27 @@ FAKES: dict[str, Callable[..., Any]] = {
 }
 
 
+#: Adapters whose hardware this project has run: the only ones that may claim ``verified_on_hardware``.
+VERIFIED_ON_HARDWARE = frozenset({"cpu"})
+#: Devices whose float64 is not dependable (computed as float32, or not at all), per vendor documentation:
+#: their adapters must answer ``is_fp64_supported() is False``, whatever the device properties say.
+NO_DEPENDABLE_FP64 = frozenset({"npu", "mlu", "hpu"})
+#: Backend names that two vendors share: portspeed's table (KNOWN_BACKENDS) keys by name and lists
+#: Ascend's HCCL; Habana's collective library is also called HCCL.
+SHARED_BACKEND_NAMES = {"hpu": "hccl"}
+
+
 def _expected(name: str) -> dict[str, Any]:
-    """What each adapter must report (with the fakes' default settings: bf16 on, fp64 props on)."""
+    """Behaviour each adapter must show that its class attributes do not state (fakes at their defaults).
+
+    Names, device types and backends are not restated here: ``check_identity`` and
+    ``check_backend`` derive them from the device runtime (the fake's) and from
+    ``KNOWN_BACKENDS`` / torch's registered backends.
+    """
     cuda_bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    table = {
-        "cpu": dict(device_type="cpu", backend="gloo", bf16=True, fp16=True, fp64=True, verified=True),
-        "cuda": dict(device_type="cuda", backend="nccl", bf16=cuda_bf16, fp16=True, fp64=True, verified=False),
-        "npu": dict(device_type="npu", backend="hccl", bf16=True, fp16=True, fp64=False, verified=False),
-        # this CPU torch has no xccl and no oneccl bindings: the adapter names xccl and warns
-        "xpu": dict(device_type="xpu", backend="xccl", bf16=True, fp16=True, fp64=True, verified=False),
-        "mlu": dict(device_type="mlu", backend="cncl", bf16=True, fp16=True, fp64=False, verified=False),
-        "musa": dict(device_type="musa", backend="mccl", bf16=True, fp16=True, fp64=True, verified=False),
-        "hpu": dict(device_type="hpu", backend="hccl", bf16=True, fp16=True, fp64=False, verified=False),
-        # the generic adapter with names only: the backend is what torch has registered for the device type
-        "generic-xpu": dict(device_type="xpu", backend="xccl", bf16=True, fp16=True, fp64=True, verified=False),
-        "generic-testdev": dict(device_type="testdev", backend="testccl", bf16=True, fp16=True, fp64=True,
-                                verified=False),
-    }
-    return table[name]
+    device = name.removeprefix("generic-")
+    return dict(bf16=cuda_bf16 if device == "cuda" else True, fp16=True, fp64=device not in NO_DEPENDABLE_FP64,
+                verified=name in VERIFIED_ON_HARDWARE)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -85,7 +90,11 @@ def _count(acc: Accelerator) -> int:
 
 def check_identity(acc: Accelerator, state: Any, exp: dict) -> None:
     assert acc.name and (acc.name not in BUILTIN_ADAPTERS or adapter_class(acc.name) is type(acc))
-    assert acc.device_type == exp["device_type"]
+    if acc.name in BUILTIN_ADAPTERS:
+        assert acc.device_type == acc.name, "a built-in adapter is named after its torch device type"
+    if state is not None:
+        assert acc.device_type == state.device_type, "the adapter must name the device its runtime registers"
+    assert torch.device(acc.device_type).type == acc.device_type, "the device type must be one torch parses"
     d = acc.describe()
     assert d["name"] == acc.name and d["device_type"] == acc.device_type
     assert d["backend"] == acc.communication_backend
@@ -216,8 +225,11 @@ def check_dtypes(acc: Accelerator, state: Any, exp: dict) -> None:
 
 
 def check_backend(acc: Accelerator, state: Any, exp: dict) -> None:
-    assert acc.communication_backend == exp["backend"]
-    check_backend_name(acc.communication_backend)
+    backend = acc.communication_backend
+    check_backend_name(backend)
+    serves = KNOWN_BACKENDS.get(backend) == acc.device_type or registered_backend(acc.device_type) == backend
+    assert serves or SHARED_BACKEND_NAMES.get(acc.device_type) == backend, (
+        f"{backend!r} is not a backend of device type {acc.device_type!r} (KNOWN_BACKENDS, or registered by torch)")
     assert type(acc)(backend="gloo").communication_backend == "gloo", "PORTSPEED_BACKEND must override"
 
 
@@ -361,13 +373,16 @@ def test_vendor_package_is_imported_only_by_load_vendor(
 
 
 def test_every_builtin_adapter_is_covered() -> None:
-    """A new built-in adapter must join the conformance suite."""
+    """A new built-in adapter joins the conformance suite by itself, and must bring a fake of its vendor."""
     assert set(ADAPTERS) == set(BUILTIN_ADAPTERS)
+    assert set(ADAPTERS) - set(REAL_DEVICES) == set(FAKES), "a vendor adapter is checked against a fake of its vendor"
 
 
 # ----------------------------------------------------------------------------- the checks can fail
 class _BrokenCpu(adapter_class("cpu")):  # type: ignore[misc]
     """A CPU adapter with the mistakes the suite exists to catch."""
+
+    backend = "nccl"  # a CUDA backend named for the host device
 
     def device(self, index: int | None = None) -> torch.device:
         return None  # type: ignore[return-value]  # DeepSpeed's CPU accelerator does this
@@ -382,7 +397,8 @@ class _BrokenCpu(adapter_class("cpu")):  # type: ignore[misc]
         return [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-@pytest.mark.parametrize("check", [check_device_never_none, check_rng_roundtrip, check_dtypes], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("check", [check_device_never_none, check_rng_roundtrip, check_dtypes, check_backend],
+                         ids=lambda c: c.__name__)
 def test_checks_catch_a_broken_adapter(check: Callable[[Accelerator, Any, dict], None]) -> None:
     """The conformance checks fail on an adapter that breaks their rule."""
     with torch.random.fork_rng(devices=[]), pytest.raises(AssertionError):

@@ -12,7 +12,11 @@ each one stops a run where its kernel does not exist:
 
 After Megatron validates the arguments, each one whose kernel cannot be imported is
 turned off, and one line says so (rank 0, once per run), so the user need not discover
-the flags. The torch path that runs instead is Megatron's own.
+the flags. The torch path that runs instead is Megatron's own, but in fp16/bf16 not the
+same function: each weight gradient is rounded to the parameter dtype before it is added
+to ``main_grad`` (the fused kernel accumulated the fp32 GEMM result), and softmax runs in
+the input dtype unless ``attention_softmax_in_fp32`` (the kernel always computes in fp32);
+``core_fallbacks`` says it per option and the log line repeats it.
 
 Before validation: with tensor or context parallelism Megatron asserts
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one CUDA launch queue, so communication kernels keep
@@ -31,6 +35,7 @@ from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import WRAP, Patch
 
 from ._training_common import log_once
+from .core_fallbacks import FALLBACKS
 from .ranges import DISTRIBUTION, TRAINING
 
 __all__ = ["PATCHES", "KERNEL_FALLBACKS", "fall_back_to_torch_paths"]
@@ -80,7 +85,8 @@ def fall_back_to_torch_paths(wrapped: Any, instance: Any, args: tuple, kwargs: d
                 setattr(margs, attr, off_value)
                 log_once(f"fallback:{feature}",
                          "portspeed: %s needs %r (a CUDA kernel), not installed for the %s adapter; using "
-                         "Megatron's torch path instead (as with %s)", feature, module, name, flag)
+                         "Megatron's torch path instead (as with %s): %s", feature, module, name, flag,
+                         FALLBACKS.get(feature, "the same function"))
     return result
 
 
@@ -94,6 +100,8 @@ PATCHES: list[Patch] = [
         versions=TRAINING,
         when=translated,
         reason="Megatron's defaults enable CUDA-only kernels (persistent layer norm, gradient-accumulation "
-        "fusion, masked-softmax fusion) and assert CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism.",
+        "fusion, masked-softmax fusion) and assert CUDA_DEVICE_MAX_CONNECTIONS=1 for tensor parallelism. "
+        "The torch paths differ in fp16/bf16: weight gradients are rounded to the parameter dtype before "
+        "accumulation, and softmax runs in the input dtype unless attention_softmax_in_fp32.",
     ),
 ]
