@@ -250,12 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         record["runs"][key] = train_run(args, stage, dtype, offload, data, mpu)
     if not args.no_portspeed:
         import portspeed
-        import portspeed.comm.router
+        import portspeed.comm
         from portspeed.patches.deepspeed import routes
 
         record["routes"] = routes()
-        record["real_backend"] = portspeed.comm.router.real_backend()
-        record["router_rewrites"] = portspeed.comm.router.stats()
+        record["real_backend"] = portspeed.comm.real_backend()
+        record["router_rewrites"] = portspeed.comm.stats()
         record["report"] = [{k: r[k] for k in ("name", "status", "detail")} for r in portspeed.report()]
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:

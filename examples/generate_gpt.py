@@ -42,7 +42,7 @@ from megatron.core.inference.text_generation_controllers.text_generation_control
 )
 
 import portspeed
-from portspeed.comm import router as ps_router
+import portspeed.comm as ps_comm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pretrain_gpt  # noqa: E402  (the model, its flags, its checkpoint layout)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             patches = {r["name"]: r["status"] for r in portspeed.report()
                        if r["name"].startswith("megatron.core.inference")}
             meta = {"tp": args.tp, "pp": args.pp, "device": str(pretrain_gpt.get_accelerator().device()),
-                    "backend": ps_router.real_backend(), "engine": "StaticInferenceEngine(legacy=True)",
+                    "backend": ps_comm.real_backend(), "engine": "StaticInferenceEngine(legacy=True)",
                     "sample_top_k": gen.sample_top_k, "patches": patches}
             with open(gen.out, "w") as f:
                 json.dump({"meta": meta, **passes}, f, indent=1)

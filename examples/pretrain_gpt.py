@@ -13,7 +13,7 @@ must print the same losses. ``--fail-at RANK:ITER`` makes one rank die there (fa
 
 Parity tooling: ``--layer-stats ITER --layer-stats-out FILE`` records per-module activation
 and gradient statistics of iteration ITER (``portspeed compare --layers A B``); the loss
-record's ``meta["router_rewrites"]`` holds ``portspeed.comm.router.stats()`` (collectives the
+record's ``meta["router_rewrites"]`` holds ``portspeed.comm.stats()`` (collectives the
 router rewrote because the backend lacks them), also printed at the end.
 ``--plant-divergence ITER`` is TEST-ONLY (portspeed.testing.plant): it makes training
 wrong on purpose from ITER on, so tests can prove the tools catch it.
@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from portspeed import config as ps_config
 from portspeed import get_accelerator
-from portspeed.comm import router as ps_router
+import portspeed.comm as ps_comm
 from portspeed.megatron_adaptor import open_loss_log
 
 
@@ -360,13 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         if report:
             print(f"iteration {it} | lm loss: {loss!r} | grad norm: {gn!r}", flush=True)
             if writer is not None:
-                writer.record.meta["router_rewrites"] = ps_router.stats()
-                writer.record.meta["real_backend"] = ps_router.real_backend()
+                writer.record.meta["router_rewrites"] = ps_comm.stats()
+                writer.record.meta["real_backend"] = ps_comm.real_backend()
                 writer.add(it, loss, gn, skipped=not ok)
     if recorder is not None:
         recorder.close()
     if report:
-        print(f"router rewrites: {json.dumps(ps_router.stats(), sort_keys=True)}", flush=True)
+        print(f"router rewrites: {json.dumps(ps_comm.stats(), sort_keys=True)}", flush=True)
     if args.save:
         save_checkpoint(args, model, optimizer, start + args.iters)
     dist.barrier()
