@@ -20,7 +20,8 @@ from fakes import fake_torch_npu  # noqa: E402
 
 from portspeed import config  # noqa: E402
 
-from portspeed.cli import info
+from portspeed.cli import info  # noqa: E402
+from portspeed.patching.gate import GATE_STATUSES  # noqa: E402
 from portspeed.accelerator import BUILTIN_ADAPTERS, get_accelerator, reset_accelerator  # noqa: E402
 from portspeed.errors import ConfigError  # noqa: E402
 from portspeed.patching.record import WRAP, Patch  # noqa: E402
@@ -134,7 +135,7 @@ def test_patch_sets_cover_every_patch(capsys: pytest.CaptureFixture[str]) -> Non
     assert sum(megatron["counts"].values()) == len(all_patches())
     for s in sets.values():
         for p in s.get("patches", []):
-            assert p["state"] in {"applies", "gated out", "disabled", "inactive", "failed", "unknown"}
+            assert p["state"] in GATE_STATUSES  # the manager's own words: one gate()
 
 
 def test_text_report_sections(capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,11 +162,18 @@ def _patch(**kw: Any) -> Patch:
     return Patch(**{**base, **kw})
 
 
+def test_info_and_manager_share_one_gate() -> None:
+    """`portspeed info` and the manager answer with the same function, so a prediction is what happens."""
+    from portspeed.patching import manager as manager_module
+
+    assert info.gate is manager_module.gate
+
+
 def test_gate_not_installed() -> None:
-    """A patch for a distribution that is not installed is gated out, naming it."""
+    """A patch for a distribution that is not installed is skipped, naming it (the manager's word)."""
     state, why = info.evaluate_gate(_patch(distribution="portspeed-no-such-dist", versions=">=1"),
                                     config.Settings(), get_accelerator())
-    assert state == "gated out" and "portspeed-no-such-dist is not installed" in why
+    assert state == "skipped" and "'portspeed-no-such-dist' is not installed" in why
 
 
 def test_gate_version_out_of_range() -> None:
@@ -176,9 +184,9 @@ def test_gate_version_out_of_range() -> None:
 
 
 def test_gate_in_range_applies() -> None:
-    """A patch whose range holds the installed version would apply."""
+    """A patch whose range holds the installed version would apply: pending until its module is imported."""
     state, _ = info.evaluate_gate(_patch(distribution="torch", versions=">=2"), config.Settings(), get_accelerator())
-    assert state == "applies"
+    assert state == "pending"
 
 
 def test_gate_disabled_and_conditions() -> None:

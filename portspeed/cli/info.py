@@ -8,8 +8,10 @@ Reports, like DeepSpeed's ``ds_report``:
 - the selected backend's capability gaps on the installed torch (what the collective
   router will rewrite);
 - each patch set (torch_cuda, torch_distributed, megatron, deepspeed) with every patch's
-  gate evaluated here: would apply, gated out (distribution missing), disabled by
-  PORTSPEED_DISABLE, or inactive (its range excludes this release, or not for this adapter).
+  gate evaluated by the manager's own ``gate()`` (``portspeed.patching.gate``), in its words:
+  pending (applies once its module is imported), skipped (distribution missing), disabled by
+  PORTSPEED_DISABLE, inactive (its range excludes this release, or not for this adapter), or
+  failed (its condition raised).
   Versions are those gates read (``versions.gate_version``: a Megatron-LM checkout on
   PYTHONPATH counts, not the wheel it shadows). Gates are read from the Patch records
   and distribution metadata; Megatron and DeepSpeed are not imported.
@@ -30,6 +32,8 @@ from typing import Any, Callable
 from portspeed import __version__, config
 from portspeed.accelerator import adapter_class, available_adapters, get_accelerator, selection_reason
 from portspeed.errors import PortspeedError
+from portspeed.integrations import patch_sets
+from portspeed.patching.gate import VersionCache, gate
 from portspeed.versions import SUPPORTED, distribution_version, gate_version
 
 __all__ = ["PATCH_SETS", "VERSIONED", "collect", "evaluate_gate", "main"]
@@ -37,13 +41,8 @@ __all__ = ["PATCH_SETS", "VERSIONED", "collect", "evaluate_gate", "main"]
 #: Distributions whose versions are reported.
 VERSIONED = ("torch", "megatron-core", "deepspeed", "wrapt", "packaging", "importlib-metadata", "numpy")
 
-#: Patch sets: name -> (module, attribute holding the list or a function returning it).
-PATCH_SETS: dict[str, tuple[str, str]] = {
-    "torch_cuda": ("portspeed.patches.torch_cuda", "PATCHES"),
-    "torch_distributed": ("portspeed.patches.torch_distributed", "PATCHES"),
-    "megatron": ("portspeed.patches.megatron", "all_patches"),
-    "deepspeed": ("portspeed.patches.deepspeed", "PATCHES"),
-}
+#: Patch sets: name -> (module, attribute), named once in the integrations layer.
+PATCH_SETS = patch_sets.PATCH_SETS
 
 _FRAMEWORKS = ("megatron", "deepspeed")
 
@@ -119,43 +118,19 @@ def _capabilities(acc: Any) -> dict[str, Any]:
     return out
 
 
-def evaluate_gate(patch: Any, settings: config.Settings, acc: Any) -> tuple[str, str]:
-    """(state, why) for one Patch, without importing its target: the checks the manager makes first."""
-    if settings.is_disabled(patch.name):
-        return "disabled", "blocked by PORTSPEED_DISABLE"
-    if patch.distribution:
-        gv = gate_version(patch.distribution)
-        if gv.version is None:
-            return "gated out", f"{patch.distribution} is not installed"
-        if patch.versions and gv.version not in patch.specifier:
-            return "inactive", f"{gv.describe(patch.distribution)} is outside {patch.versions!r}"
-    if patch.when is not None:
-        if acc is None:
-            return "unknown", "has a condition on the adapter, and no adapter could be selected"
-        try:
-            ok = bool(patch.when(acc))
-        except Exception as exc:
-            return "failed", f"condition raised {type(exc).__name__}: {exc}"
-        if not ok:
-            return "inactive", f"condition false on adapter {acc.name!r}"
-    if patch.distribution:
-        return "applies", f"{gate_version(patch.distribution).describe(patch.distribution)} in {patch.versions or 'any'!r}"
-    return "applies", "no version gate"
-
-
-def _load_set(module: str, attr: str) -> list[Any]:
-    mod = importlib.import_module(module)
-    value = getattr(mod, attr)
-    return list(value() if callable(value) else value)
+def evaluate_gate(patch: Any, settings: config.Settings, acc: Any, versions: Any = None) -> tuple[str, str]:
+    """(status, why) for one Patch without importing its target: the manager's own ``gate()``, same words."""
+    return gate(patch, settings, lambda: acc, versions)
 
 
 def _patch_sets(settings: config.Settings, acc: Any) -> list[dict[str, Any]]:
     out = []
     for set_name, (module, attr) in PATCH_SETS.items():
+        versions = VersionCache()
         entry: dict[str, Any] = {"name": set_name, "source": f"{module}:{attr}"}
         before = {f for f in _FRAMEWORKS if f in sys.modules}
         try:
-            patches = _load_set(module, attr)
+            patches = patch_sets.load(set_name)
         except ModuleNotFoundError as exc:
             if exc.name != module:
                 entry["error"] = f"ModuleNotFoundError: {exc}"
@@ -173,7 +148,7 @@ def _patch_sets(settings: config.Settings, acc: Any) -> list[dict[str, Any]]:
                                 "(a patch module imports it at top level)")
         rows = []
         for p in patches:
-            state, why = evaluate_gate(p, settings, acc)
+            state, why = evaluate_gate(p, settings, acc, versions)
             rows.append({"name": p.name, "target": p.target, "kind": p.kind, "distribution": p.distribution,
                          "versions": p.versions, "state": state, "detail": why})
         entry["patches"] = rows

@@ -32,13 +32,14 @@ import json
 import sys
 from typing import Any
 
+from portspeed.integrations import patch_sets
+
 __all__ = ["ADAPTORS", "STATUS_ORDER", "collect", "main", "render"]
 
 #: --adaptor choices -> adaptor modules imported.
 ADAPTORS: dict[str, tuple[str, ...]] = {
-    "megatron": ("portspeed.megatron_adaptor",),
-    "deepspeed": ("portspeed.deepspeed_adaptor",),
-    "all": ("portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
+    **{name: (module,) for name, module in patch_sets.ADAPTORS.items()},
+    "all": tuple(patch_sets.ADAPTORS.values()),
     "none": (),
 }
 
@@ -131,10 +132,9 @@ def render(result: dict[str, Any]) -> str:
 def check_source(spec: str) -> dict[str, Any]:
     """The drift check of the Megatron patch set against ``spec`` (see ``portspeed.patching.drift``), as plain data."""
     from portspeed.patching import drift
-    from portspeed.patches.megatron import all_patches
 
     tree = drift.open_source(spec)
-    release, findings = drift.check(all_patches(), tree)
+    release, findings = drift.check(patch_sets.load("megatron"), tree)
     counts: dict[str, int] = {}
     for f in findings:
         counts[f.status] = counts.get(f.status, 0) + 1
@@ -156,8 +156,7 @@ def record(result: dict[str, Any], path: str | None = None) -> str:
     """Merge ``result``'s fingerprints (release -> digest per patch) into the fingerprints module; returns its path."""
     import pprint
 
-    from portspeed.patches.megatron import fingerprints
-
+    fingerprints = patch_sets.megatron_fingerprints()
     table = {k: dict(v) for k, v in fingerprints.FINGERPRINTS.items()}
     for f in result["findings"]:
         if f["fingerprint"] is not None and f["status"] != "inactive":

@@ -31,15 +31,12 @@ import os
 import sys
 
 from portspeed.errors import PortspeedError
+from portspeed.integrations import patch_sets
 
 __all__ = ["ADAPTORS", "LaunchError", "main", "build_parser", "resolve_adaptor", "worker_command"]
 
 #: short adaptor names -> module imported in every worker ("none": nothing)
-ADAPTORS: dict[str, str | None] = {
-    "megatron": "portspeed.megatron_adaptor",
-    "deepspeed": "portspeed.deepspeed_adaptor",
-    "none": None,
-}
+ADAPTORS: dict[str, str | None] = {**patch_sets.ADAPTORS, "none": None}
 
 WORKER_MODULE = "portspeed.cli.worker"
 

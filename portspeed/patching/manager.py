@@ -55,6 +55,7 @@ from typing import Any, Iterable, Iterator
 from portspeed import config
 from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
 from portspeed.patching.record import REPLACE, Patch
+from portspeed.patching.gate import VersionCache, gate
 from portspeed.versions import SUPPORTED, GateVersion, gate_version
 
 __all__ = ["PatchManager", "PatchRecord", "STATUSES"]
@@ -370,45 +371,27 @@ class PatchManager:
                 self._hook(m)
 
     def _gate(self, records: list[PatchRecord]) -> dict[str, list[PatchRecord]]:
-        """Set each record's status from the environment; group the survivors by module."""
+        """Set each record's status with ``gate()`` (the same function `portspeed info` uses); group the survivors by module."""
         settings = config.settings()
-        accelerator = None
         by_module: dict[str, list[PatchRecord]] = {}
-        seen: dict[str, GateVersion] = {}
-        for r in records:
-            p = r.patch
-            if settings.is_disabled(p.name):
-                r.status, r.detail = "disabled", "blocked by PORTSPEED_DISABLE"
-                continue
-            if p.distribution:
-                gv = seen.get(p.distribution)
-                if gv is None:
-                    gv = seen[p.distribution] = gate_version(p.distribution)
-                if gv.version is None:
-                    self._mark(r, "skipped", f"distribution {p.distribution!r} is not installed "
-                                             f"(needed by target {p.target})")
-                    continue
-                if p.versions and gv.version not in p.specifier:
-                    # a declared range is a decision (this patch is for other releases), not drift
-                    r.status = "inactive"
-                    r.detail = f"{gv.describe(p.distribution)} is outside the range {p.versions!r} this patch is written for"
-                    continue
-            if p.when is not None:
-                if accelerator is None:
-                    from portspeed.accelerator import get_accelerator
+        seen = VersionCache()
+        chosen: list[Any] = []
 
-                    accelerator = get_accelerator()
-                try:
-                    ok = bool(p.when(accelerator))
-                except Exception as exc:  # a broken condition is a failed patch, not a silent skip
-                    self._mark(r, "failed", f"condition raised {type(exc).__name__}: {exc}")
-                    continue
-                if not ok:
-                    r.status = "inactive"
-                    r.detail = f"condition false for accelerator {accelerator.name!r}"
-                    continue
-            r.status, r.detail = "pending", f"waiting for `import {p.module}`"
-            by_module.setdefault(p.module, []).append(r)
+        def accelerator() -> Any:
+            if not chosen:
+                from portspeed.accelerator import get_accelerator  # the one place the engine asks for the adapter
+
+                chosen.append(get_accelerator())
+            return chosen[0]
+
+        for r in records:
+            status, detail = gate(r.patch, settings, accelerator, seen)
+            if status in ("skipped", "failed"):
+                self._mark(r, status, detail)
+                continue
+            r.status, r.detail = status, detail
+            if status == "pending":
+                by_module.setdefault(r.patch.module, []).append(r)
         self._check_versions(seen)
         return by_module
 

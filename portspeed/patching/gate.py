@@ -1,0 +1,64 @@
+"""One gate: whether a declared patch applies here, before its target is imported.
+
+The patch manager and `portspeed info` call the same ``gate()``, so what `info` predicts is
+what the manager does, in the same words. The checks, in order:
+
+1. ``PORTSPEED_DISABLE`` names the patch                        -> ``disabled``
+2. its distribution is not installed                            -> ``skipped``
+3. the installed (or imported) release is outside its range     -> ``inactive``
+4. its condition on the adapter (``when=``) raises              -> ``failed``
+5. its condition is false                                       -> ``inactive``
+6. otherwise                                                    -> ``pending`` (applies once its module is imported)
+
+The adapter is handed in by the caller (a function returning it, called only when a patch
+has a condition), so this engine module never selects one itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from portspeed.versions import GateVersion, gate_version
+
+if TYPE_CHECKING:
+    from portspeed.config import Settings
+    from portspeed.patching.record import Patch
+
+__all__ = ["GATE_STATUSES", "gate", "VersionCache"]
+
+#: The statuses ``gate`` answers with (a subset of the manager's ``STATUSES``).
+GATE_STATUSES = ("disabled", "skipped", "inactive", "failed", "pending")
+
+
+class VersionCache(dict):
+    """distribution -> GateVersion, looked up once per gating pass."""
+
+    def __missing__(self, distribution: str) -> GateVersion:
+        gv = self[distribution] = gate_version(distribution)
+        return gv
+
+
+def gate(patch: Patch, settings: Settings, accelerator: Callable[[], Any],
+         versions: VersionCache | None = None) -> tuple[str, str]:
+    """(status, why) for ``patch``: see the module docstring for the order of the checks."""
+    if settings.is_disabled(patch.name):
+        return "disabled", "blocked by PORTSPEED_DISABLE"
+    if patch.distribution:
+        gv = (versions if versions is not None else VersionCache())[patch.distribution]
+        if gv.version is None:
+            return "skipped", f"distribution {patch.distribution!r} is not installed (needed by target {patch.target})"
+        if patch.versions and gv.version not in patch.specifier:
+            # a declared range is a decision (this patch is for other releases), not drift
+            return "inactive", (f"{gv.describe(patch.distribution)} is outside the range {patch.versions!r} "
+                                f"this patch is written for")
+    if patch.when is not None:
+        acc = accelerator()
+        if acc is None:
+            return "failed", "has a condition on the adapter, and no adapter could be selected"
+        try:
+            ok = bool(patch.when(acc))
+        except Exception as exc:  # a broken condition is a failed patch, not a silent skip
+            return "failed", f"condition raised {type(exc).__name__}: {exc}"
+        if not ok:
+            return "inactive", f"condition false for accelerator {acc.name!r}"
+    return "pending", f"waiting for `import {patch.module}`"
