@@ -31,6 +31,7 @@ import threading
 from typing import Any, Callable
 
 from portspeed.accelerator import get_accelerator
+from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import REPLACE, WRAP, Patch
 
 __all__ = ["PATCHES", "DISTRIBUTION", "VERSIONS", "accelerator_patch", "route_backend", "routes"]
@@ -167,11 +168,6 @@ PATCHES: list[Patch] = [
 ]
 
 
-def _not_cuda(accelerator: Any) -> bool:
-    """DeepSpeed runs CUDA natively (with its CUDA kernels); portspeed changes nothing there."""
-    return accelerator.device_type != "cuda"
-
-
 def accelerator_patch(ds_accelerator: Any) -> Patch:
     """The patch that puts ``ds_accelerator`` in DeepSpeed's injection slot (see the module docstring)."""
     return Patch(
@@ -181,7 +177,7 @@ def accelerator_patch(ds_accelerator: Any) -> Patch:
         impl=ds_accelerator,
         distribution=DISTRIBUTION,
         versions=VERSIONS,
-        when=_not_cuda,
+        when=translated,  # on CUDA DeepSpeed runs natively, with its own accelerator
         reason=("DeepSpeed asks one injected accelerator object for every device answer; portspeed fills "
                 "that slot (what deepspeed.accelerator.set_accelerator writes) with an adapter-backed object"),
     )

@@ -114,7 +114,7 @@ class _BatchInvariantFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != BATCH_INVARIANT or not _triton_missing():
             return None
-        if get_accelerator().device_type == "cuda":
+        if get_accelerator().runs_cuda_natively:
             return None
         return importlib.util.spec_from_loader(fullname, _StandinLoader())
 

@@ -287,7 +287,9 @@ def rank_main(argv: list[str] | None = None) -> int:
 
     import portspeed
     from portspeed import comm
-    from portspeed.patches.torch_distributed import PATCHES
+    from portspeed.integrations.patch_sets import load
+
+    PATCHES = load("torch_distributed")
 
     acc = portspeed.get_accelerator()
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -33,6 +33,7 @@ from portspeed import config
 from portspeed.integrations import activation
 
 from portspeed.accelerator import scope as framework_modules
+from portspeed.patches.megatron.core_common import note_fallback  # re-exported: its home is beside the patches
 
 if TYPE_CHECKING:
     from portspeed.patching.record import Patch
@@ -43,20 +44,6 @@ __all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "no
 ADAPTOR = "portspeed.megatron_adaptor"
 
 log = logging.getLogger("portspeed.megatron")
-
-_fallbacks_noted: set[str] = set()
-
-
-def note_fallback(feature: str, reason: str) -> None:
-    """Log once per process that a CUDA-kernel default fell back to its torch path."""
-    if feature in _fallbacks_noted:
-        return
-    _fallbacks_noted.add(feature)
-    from portspeed.accelerator import get_accelerator
-
-    log.warning("portspeed: %s has no %s kernel; using the torch path (%s)",
-                feature, get_accelerator().name, reason)
-
 
 def megatron_patches() -> list[Patch]:
     """torch_cuda + router + Megatron patches, in registration order."""
