@@ -1,0 +1,127 @@
+"""The import direction of portspeed's layers (docs/architecture.md), checked over every module's source.
+
+Every ``import`` and ``from ... import`` in portspeed, ``portspeed.patches`` and
+``portspeed.adapters`` counts, at module level or inside a function (a deferred import is
+still a dependency). One failure lists every violation: importing module, imported module,
+and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: source directory -> the package it installs as
+SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches", ROOT / "adapters": "portspeed.adapters"}
+
+#: layer -> module prefixes (longest prefix wins)
+LAYERS: dict[str, tuple[str, ...]] = {
+    "foundation": ("portspeed.errors", "portspeed.config", "portspeed.versions", "portspeed.lazy"),
+    "patching": ("portspeed.patching",),
+    "device": ("portspeed.accelerator", "portspeed.comm", "portspeed.router"),
+    "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing"),
+    "parity": ("portspeed.parity",),
+    "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
+    "top": ("portspeed.cli", "portspeed.conformance"),
+}
+
+#: layer -> the layers it may import (besides itself). The package ``portspeed`` itself (the
+#: public surface: lazy names, ``portspeed.manager()``) may be imported from anywhere: it is
+#: every module's parent, imported before any of them.
+MAY_IMPORT: dict[str, set[str]] = {
+    "foundation": set(),
+    "patching": {"foundation", "device"},       # only for the adapter handed to ``when=`` conditions
+    "device": {"foundation"},
+    "plugins": {"foundation", "patching", "device"},
+    "parity": {"foundation"},
+    "integrations": {"foundation", "patching", "device", "plugins", "parity"},
+    "top": {"foundation", "patching", "device", "plugins", "parity", "integrations"},
+}
+
+#: only these layers may import ``portspeed.patches`` (patch modules are data the integrations register)
+PATCHES_IMPORTERS = {"integrations"}
+
+
+def _layer(module: str) -> str | None:
+    best, found = "", None
+    for layer, prefixes in LAYERS.items():
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, found = p, layer
+    return found
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for src, pkg in SOURCES.items():
+        for path in src.rglob("*.py"):
+            rel = path.relative_to(src).with_suffix("").parts
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join((pkg, *rel))] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:  # `from pkg import submodule` depends on the submodule
+                found.add(f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod)
+    return {m for m in found if m == "portspeed" or m.startswith("portspeed.")}
+
+
+def test_every_module_has_a_layer() -> None:
+    """A new module must be placed in a layer (and the docs' table) before it can be checked."""
+    unplaced = sorted(m for m in _modules() if m != "portspeed" and _layer(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS and docs/architecture.md): {unplaced}"
+
+
+def test_imports_run_one_way() -> None:
+    """foundation <- engine (patching, device) <- plugins <- integrations <- top; parity beside, on the foundation."""
+    modules = _modules()
+    known = set(modules)
+    violations = []
+    for name, path in sorted(modules.items()):
+        src = _layer(name)
+        if src is None:
+            continue
+        for target in sorted(_imports(name, path, known)):
+            dst = _layer(target)
+            if dst is None or dst == src:
+                continue
+            if target.startswith("portspeed.patches") and src not in PATCHES_IMPORTERS and src != "plugins":
+                violations.append(f"{name} ({src}) imports {target}: only the integrations import portspeed.patches")
+            elif dst not in MAY_IMPORT[src]:
+                violations.append(f"{name} ({src}) imports {target} ({dst}): {src} may import "
+                                  f"{', '.join(sorted(MAY_IMPORT[src])) or 'nothing of portspeed'}")
+    assert not violations, "imports against the layering:\n  " + "\n  ".join(violations)
+
+
+def test_patches_do_not_import_adaptors_or_each_others_layers() -> None:
+    """A patch module never imports an adaptor or an integration (the cycle the house removed)."""
+    modules = _modules()
+    known = set(modules)
+    bad = [f"{n} imports {t}" for n, p in sorted(modules.items()) if n.startswith("portspeed.patches")
+           for t in _imports(n, p, known) if _layer(t) in ("integrations", "top")]
+    assert not bad, bad
+
+
+def test_the_checker_sees_deferred_and_relative_imports(tmp_path: Path) -> None:
+    """The checker counts an import inside a function and resolves a relative one (else it could not fail)."""
+    f = tmp_path / "mod.py"
+    f.write_text("def f():\n    from portspeed.cli import main\nfrom .sibling import x\n")
+    got = _imports("portspeed.patches.megatron.mod", f, {"portspeed.patches.megatron.sibling"})
+    assert got == {"portspeed.cli", "portspeed.patches.megatron.sibling"}
