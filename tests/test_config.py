@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Iterator
 
 import pytest
 
@@ -11,12 +10,7 @@ from portspeed.config import Settings, parse_bool
 from portspeed.errors import ConfigError
 
 
-@pytest.fixture(autouse=True)
-def _fresh_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Tests that touch os.environ get the real settings back afterwards."""
-    yield
-    monkeypatch.undo()
-    config.reload()
+pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py
 
 
 def test_defaults_when_nothing_is_set() -> None:

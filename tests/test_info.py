@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import importlib_metadata
 import pytest
@@ -22,22 +22,13 @@ from portspeed import config  # noqa: E402
 
 from portspeed.cli import info  # noqa: E402
 from portspeed.patching.gate import GATE_STATUSES  # noqa: E402
-from portspeed.accelerator import BUILTIN_ADAPTERS, get_accelerator, reset_accelerator  # noqa: E402
+from portspeed.accelerator import BUILTIN_ADAPTERS, get_accelerator  # noqa: E402
 from portspeed.errors import ConfigError  # noqa: E402
 from portspeed.patching.record import WRAP, Patch  # noqa: E402
 from portspeed.versions import distribution_version  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in ("PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTSPEED_DISABLE"):
-        monkeypatch.delenv(var, raising=False)
-    config.reload()
-    reset_accelerator()
-    yield
-    monkeypatch.undo()
-    config.reload()
-    reset_accelerator()
+pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from portspeed import config
 from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
 from portspeed.patching.manager import STATUSES, PatchManager
 from portspeed.patching.record import Patch
@@ -87,23 +86,9 @@ class Modules:
 
 
 @pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., None]]:
-    """Set PORTSPEED_* variables for one test; settings are re-read on each change and at teardown."""
-    for var in ("PORTSPEED_STRICT", "PORTSPEED_DISABLE"):
-        monkeypatch.delenv(var, raising=False)
-    config.reload()
-
-    def set_env(**values: str | None) -> None:
-        for k, v in values.items():
-            if v is None:
-                monkeypatch.delenv(k, raising=False)
-            else:
-                monkeypatch.setenv(k, v)
-        config.reload()
-
-    yield set_env
-    monkeypatch.undo()
-    config.reload()
+def env(portspeed_env: Callable[..., None]) -> Callable[..., None]:
+    """Set PORTSPEED_* variables for one test (tests/conftest.py's portspeed_env, by its short name here)."""
+    return portspeed_env
 
 
 @pytest.fixture

@@ -43,17 +43,7 @@ VARS = ("PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTS
         "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT")
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every case starts with no PORTSPEED_* settings and no selected adapter, and leaves it so."""
-    for var in VARS:
-        monkeypatch.delenv(var, raising=False)
-    config.reload()
-    reset_accelerator()
-    yield
-    monkeypatch.undo()
-    config.reload()
-    reset_accelerator()
+pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py
 
 
 def _select(monkeypatch: pytest.MonkeyPatch, **env: str) -> Any:
