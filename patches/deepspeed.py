@@ -68,7 +68,7 @@ def _router_patch_applied() -> bool:
     """Whether the router's init_process_group patch is installed (it then maps names itself)."""
     import portspeed
 
-    return any(r.patch.name == ROUTER_INIT_PATCH and r.status == "applied" for r in portspeed.manager().records())
+    return portspeed.manager().status(ROUTER_INIT_PATCH) == "applied"
 
 
 def route_backend(requested: str | None) -> str | None:
@@ -114,9 +114,9 @@ def _note(requested: str | None, used: str | None, how: str) -> None:
                 seen.append(text)
     import portspeed
 
-    for record in portspeed.manager().records():
-        if record.patch.name == INIT_PATCH:
-            record.detail = "; ".join(seen)
+    mgr = portspeed.manager()
+    if mgr.status(INIT_PATCH) is not None:
+        mgr.note(INIT_PATCH, "; ".join(seen))
     log.info("portspeed: deepspeed.comm.init_distributed dist_backend %r -> %r (%s)", requested, used, how)
 
 

@@ -680,3 +680,24 @@ def test_only_portspeed_itself_is_exempt_from_rebinding(mods: Modules, mgr: Patc
         assert u.f is t.f and u.f(1) == ("w", ("f", 1))
     finally:
         sys.modules.pop(name, None)
+
+
+def test_status_and_note_are_the_way_a_patch_reports_at_run_time(mgr: PatchManager) -> None:
+    """A patch reads another's status and sets its own report line through the manager, not its records."""
+    import types
+
+    mod = types.ModuleType("ps_note_target")
+    mod.f = lambda: 1
+    sys.modules["ps_note_target"] = mod
+    try:
+        mgr.register([Patch(name="t.note", target="ps_note_target:f", impl=tag("n"), reason="test", kind="wrap")])
+        mgr.apply()
+        assert mgr.status("t.note") == "applied" and mgr.status("t.absent") is None
+        mgr.note("t.note", "routed nccl -> gloo")
+        row = next(r for r in mgr.report() if r["name"] == "t.note")
+        assert row["status"] == "applied" and row["detail"] == "routed nccl -> gloo"
+        with pytest.raises(KeyError, match="t.absent"):
+            mgr.note("t.absent", "x")
+    finally:
+        mgr.revert()
+        del sys.modules["ps_note_target"]

@@ -340,6 +340,22 @@ class PatchManager:
         st = self._targets.get(target)
         return list(st.chain) if st else []
 
+    def status(self, name: str) -> str | None:
+        """The status of the patch registered as ``name`` (None when no such patch is registered)."""
+        r = self._records.get(name)
+        return None if r is None else r.status
+
+    def note(self, name: str, detail: str) -> None:
+        """Set the report's detail line of patch ``name`` (a patch saying what it did at run time).
+
+        Only the detail changes, never the status; an unknown name raises, so a renamed patch
+        cannot note into nothing.
+        """
+        r = self._records.get(name)
+        if r is None:
+            raise KeyError(f"no patch named {name!r} is registered")
+        r.detail = detail
+
     def records(self) -> list[PatchRecord]:
         """The records in registration order."""
         return sorted(self._records.values(), key=lambda r: r.seq)
