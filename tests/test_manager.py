@@ -701,3 +701,46 @@ def test_status_and_note_are_the_way_a_patch_reports_at_run_time(mgr: PatchManag
     finally:
         mgr.revert()
         del sys.modules["ps_note_target"]
+
+
+def test_finder_patches_are_gated_reported_disabled_and_reverted(env: Callable[..., None]) -> None:
+    """A declared import finder goes on sys.meta_path at apply, shows in the report, obeys PORTSPEED_DISABLE, leaves on revert."""
+    import importlib.abc
+
+    from portspeed.patching.record import FINDER, FINDER_TARGET
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+            return None
+
+    first, last = Finder(), Finder()
+    patches = [Patch(name="t.first", target=FINDER_TARGET, kind=FINDER, impl=first, placement="first", reason="t"),
+               Patch(name="t.last", target=FINDER_TARGET, kind=FINDER, impl=last, placement="last", reason="t")]
+    m = PatchManager()
+    m.register(patches)
+    m.apply()
+    try:
+        assert sys.meta_path[0] is first and sys.meta_path[-1] is last
+        assert {r["name"]: r["status"] for r in m.report()} == {"t.first": "applied", "t.last": "applied"}
+    finally:
+        m.revert()
+    assert first not in sys.meta_path and last not in sys.meta_path
+    assert {r["status"] for r in m.report()} == {"reverted"}
+    env(PORTSPEED_DISABLE="t.first")
+    m.apply()
+    try:
+        assert first not in sys.meta_path and sys.meta_path[-1] is last
+        assert m.status("t.first") == "disabled"
+    finally:
+        m.revert()
+    with pytest.raises(PatchDefinitionError, match="find_spec"):
+        Patch(name="t.bad", target=FINDER_TARGET, kind=FINDER, impl=object(), reason="t")
+
+
+def test_megatron_import_finders_are_declared_patches() -> None:
+    """The two Megatron import finders are in the Megatron patch set, so they are reported and revertable."""
+    from portspeed.integrations.patch_sets import load
+    from portspeed.patches.megatron import training_imports as ti
+
+    finders = {p.name: p for p in load("megatron") if p.kind == "finder"}
+    assert {p.impl for p in finders.values()} == {ti.BATCH_INVARIANT_FINDER, ti.HELPERS_FINDER}

@@ -69,7 +69,7 @@ def test_bad_name(name: Any) -> None:
 
 @pytest.mark.parametrize("kind", ["wrapper", "REPLACE", "", None])
 def test_bad_kind(kind: Any) -> None:
-    with pytest.raises(PatchDefinitionError, match="kind must be 'replace' or 'wrap'"):
+    with pytest.raises(PatchDefinitionError, match="kind must be 'replace', 'wrap' or 'finder'"):
         make(kind=kind)
 
 

@@ -100,7 +100,8 @@ FINDERS_PROBE = textwrap.dedent(
     except ModuleNotFoundError as exc:
         out["without_finder"] = exc.name
     from portspeed.patches.megatron import training_imports as ti
-    ti.install()
+    from portspeed.patching import finders
+    finders.install(ti.BATCH_INVARIANT_FINDER, 'first')
     import megatron.core.transformer.custom_layers.batch_invariant_kernels as bik
     from megatron.core.transformer.custom_layers.batch_invariant_kernels import enable_batch_invariant_mode
     out["standin"] = getattr(bik, "__portspeed_standin__", False)

@@ -1,4 +1,4 @@
-"""Two Megatron-LM imports that cannot succeed off CUDA, answered by an import finder.
+"""Two Megatron-LM imports that cannot succeed off CUDA, answered by declared import-finder patches.
 
 An attribute patch needs its module to import first; these two modules cannot:
 
@@ -15,9 +15,11 @@ An attribute patch needs its module to import first; these two modules cannot:
   the system python3 and pybind11). When no other finder finds the module, the wheel's
   prebuilt extension of the *same* megatron-core version is loaded under that name.
 
-``install()`` puts the finders on ``sys.meta_path`` (the batch-invariant one first, the
-helpers one last, so a real module always wins); ``uninstall()`` removes them. The
-Megatron adaptor calls ``install()`` when it activates.
+Both are ``Patch(kind="finder")`` records (``PATCHES``): the manager puts them on
+``sys.meta_path`` when the Megatron patch set applies (the batch-invariant one first, only
+off CUDA; the helpers one last, so a real module always wins), reports them (`portspeed
+patches`), lets ``PORTSPEED_DISABLE`` turn them off, gates them on the megatron-core range,
+and takes them off on ``revert()``.
 
 Limits: the helpers redirect refuses (and the normal ImportError follows) when the
 imported ``megatron.core`` reports a version other than the installed megatron-core.
@@ -39,20 +41,21 @@ from typing import Any, Iterator
 
 from portspeed.accelerator import get_accelerator
 from portspeed.errors import PortspeedError
-from portspeed.patching.record import Patch
+from portspeed.accelerator.conditions import translated
+from portspeed.patching.record import FINDER, FINDER_TARGET, Patch
 from portspeed.versions import distribution_version
 
 from ._training_common import log_once
+from .ranges import CORE, DISTRIBUTION
 
-__all__ = ["PATCHES", "BATCH_INVARIANT", "HELPERS_CPP", "install", "uninstall", "installed", "wheel_helpers_path"]
+__all__ = ["PATCHES", "BATCH_INVARIANT", "HELPERS_CPP", "BATCH_INVARIANT_FINDER", "HELPERS_FINDER",
+           "wheel_helpers_path"]
 
 log = logging.getLogger("portspeed.megatron")
 
 BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 HELPERS_CPP = "megatron.core.datasets.helpers_cpp"
 
-#: nothing here is patched by attribute; see install()
-PATCHES: list[Patch] = []
 
 
 class BatchInvariantModeUnavailable(PortspeedError):
@@ -109,12 +112,10 @@ def _triton_missing() -> bool:
 
 
 class _BatchInvariantFinder(importlib.abc.MetaPathFinder):
-    """First on sys.meta_path: answers only BATCH_INVARIANT, only without triton and off CUDA."""
+    """First on sys.meta_path: answers only BATCH_INVARIANT, only without triton (the patch applies only off CUDA)."""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != BATCH_INVARIANT or not _triton_missing():
-            return None
-        if get_accelerator().runs_cuda_natively:
             return None
         return importlib.util.spec_from_loader(fullname, _StandinLoader())
 
@@ -168,27 +169,17 @@ class _HelpersFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, located)
 
 
-_finders: list[importlib.abc.MetaPathFinder] = []
+BATCH_INVARIANT_FINDER = _BatchInvariantFinder()
+HELPERS_FINDER = _HelpersFinder()
 
-
-def install() -> None:
-    """Put both finders on sys.meta_path (idempotent)."""
-    if _finders:
-        return
-    first, last = _BatchInvariantFinder(), _HelpersFinder()
-    sys.meta_path.insert(0, first)
-    sys.meta_path.append(last)
-    _finders.extend([first, last])
-
-
-def uninstall() -> None:
-    """Remove the finders (modules already imported through them stay imported)."""
-    for f in _finders:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(f)
-    _finders.clear()
-
-
-def installed() -> bool:
-    """Whether install() has put the finders in place."""
-    return bool(_finders)
+PATCHES: list[Patch] = [
+    Patch(name="megatron.training.batch_invariant_kernels.standin", target=FINDER_TARGET, kind=FINDER,
+          impl=BATCH_INVARIANT_FINDER, placement="first", distribution=DISTRIBUTION, versions=CORE, when=translated,
+          reason=(f"{BATCH_INVARIANT} imports triton at its top and megatron.training.initialize imports it "
+                  "unconditionally; without triton it gets a stand-in where batch-invariant mode reads as off "
+                  "and turning it on raises")),
+    Patch(name="megatron.core.datasets.helpers_cpp.prebuilt", target=FINDER_TARGET, kind=FINDER,
+          impl=HELPERS_FINDER, placement="last", distribution=DISTRIBUTION, versions=CORE,
+          reason=(f"a Megatron-LM checkout shadows the wheel's megatron.core and has no built {HELPERS_CPP}; "
+                  "when nothing else finds it, the installed wheel's prebuilt one of the same version is loaded")),
+]

@@ -89,9 +89,6 @@ def activate() -> None:
     activation.cancel(ADAPTOR)
     _ensure_log_output()
     translation.enable()
-    from portspeed.patches.megatron import training_imports
-
-    training_imports.install()  # import finders for two modules that cannot import off CUDA
     mgr = portspeed.manager()
     mgr.register(megatron_patches())
     mgr.apply()
@@ -105,9 +102,6 @@ def deactivate() -> None:
     activation.cancel(ADAPTOR)
     portspeed.manager().revert()
     translation.disable()
-    from portspeed.patches.megatron import training_imports
-
-    training_imports.uninstall()
 
 
 def loss_record_meta(layout: dict[str, Any], dtype: str, backend: str | None = None) -> dict[str, Any]:

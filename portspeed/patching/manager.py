@@ -54,7 +54,8 @@ from typing import Any, Iterable, Iterator
 
 from portspeed import config
 from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
-from portspeed.patching.record import REPLACE, Patch
+from portspeed.patching import finders
+from portspeed.patching.record import FINDER, REPLACE, Patch
 from portspeed.patching.gate import VersionCache, gate
 from portspeed.versions import SUPPORTED, GateVersion, gate_version
 
@@ -289,6 +290,9 @@ class PatchManager:
             self._hooked_modules.clear()
             self._uninstall_many(list(reversed(list(self._targets))))
             for r in self._records.values():
+                if r.patch.kind == FINDER and r.status == "applied":
+                    finders.remove(r.patch.impl)
+            for r in self._records.values():
                 if r.status != "registered":
                     r.status, r.detail = "reverted", ""
 
@@ -365,8 +369,10 @@ class PatchManager:
         """Gate ``records``, install those whose module is imported, hook the rest; all or nothing."""
         before = {r.patch.name: (r.status, r.detail) for r in records}
         new_targets: list[str] = []
+        installed_finders: list[PatchRecord] = []
         try:
             by_module = self._gate(records)
+            finder_records = _take_finders(by_module)
             self._check_replacements(by_module)
             ready = [m for m in by_module if m in sys.modules]
             targets: list[str] = []
@@ -376,11 +382,19 @@ class PatchManager:
             self._raise_if_strict(violations)
             if targets:
                 self._install_many(targets, full_sweep=True)
+            for r in finder_records:
+                finders.install(r.patch.impl, r.patch.placement)
+                installed_finders.append(r)
+                r.status, r.detail = "applied", f"finder {r.patch.placement} on sys.meta_path"
         except _StrictViolation as exc:
             self._rollback(records, before, exc.records, new_targets)
+            for r in installed_finders:
+                finders.remove(r.patch.impl)
             raise self._strict_error(exc.records) from None
         except BaseException:
             self._rollback(records, before, [], new_targets)
+            for r in installed_finders:
+                finders.remove(r.patch.impl)
             raise
         for m in by_module:
             if m not in sys.modules:
@@ -731,6 +745,19 @@ class PatchManager:
             f"PORTSPEED_STRICT=1 and {what}. Nothing of this batch was applied. Unset PORTSPEED_STRICT "
             "to continue without it, or PORTSPEED_DISABLE it on purpose."
         )
+
+
+def _take_finders(by_module: dict[str, list[PatchRecord]]) -> list[PatchRecord]:
+    """Remove the finder patches from ``by_module`` (they change sys.meta_path, not an attribute) and return them."""
+    taken: list[PatchRecord] = []
+    for module in list(by_module):
+        rest = [r for r in by_module[module] if r.patch.kind != FINDER]
+        taken += [r for r in by_module[module] if r.patch.kind == FINDER]
+        if rest:
+            by_module[module] = rest
+        else:
+            del by_module[module]
+    return taken
 
 
 def _chain_internals(installed: Any, original: Any) -> set[int]:

@@ -16,6 +16,13 @@ wrapt object and its ``(wrapped, instance, args, kwargs)`` call on every call: m
 cheaper for collectives (docs/benchmarks.md). Several wrappers of one target, of either style, chain
 by ``order`` (lower is closer to the original), then by registration order.
 
+A module that cannot be imported at all off CUDA (it imports triton at its top, or a
+compiled helper a checkout lacks) cannot be patched by attribute. ``kind="finder"`` declares
+an import finder instead: ``target="sys:meta_path"``, ``impl`` the finder object
+(``find_spec``), ``placement`` "first" (it answers before the normal finders) or "last" (only
+what nothing else found). The manager puts it on ``sys.meta_path`` when the patch applies,
+reports it, and takes it off on ``revert()``, like any other patch.
+
 Example::
 
     Patch(
@@ -42,11 +49,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from portspeed.accelerator import Accelerator
 
-__all__ = ["Patch", "PatchKind", "REPLACE", "WRAP", "WrapStyle"]
+__all__ = ["FINDER", "FINDER_TARGET", "Patch", "PatchKind", "REPLACE", "WRAP", "WrapStyle"]
 
-PatchKind = Literal["replace", "wrap"]
+PatchKind = Literal["replace", "wrap", "finder"]
 REPLACE: PatchKind = "replace"
 WRAP: PatchKind = "wrap"
+FINDER: PatchKind = "finder"
+#: the one target a finder patch changes
+FINDER_TARGET = "sys:meta_path"
 WrapStyle = Literal["wrapt", "function"]
 
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -68,6 +78,8 @@ class Patch:
     style: WrapStyle = "wrapt"
     #: release -> fingerprint of the target's source in that release (portspeed.patching.drift); a dict is accepted
     fingerprints: tuple[tuple[str, str], ...] = ()
+    #: finder patches only: "first" or "last" on sys.meta_path
+    placement: Literal["first", "last"] = "first"
 
     def __post_init__(self) -> None:
         if isinstance(self.fingerprints, dict):
@@ -85,8 +97,17 @@ class Patch:
                 f"patch {self.name!r}: target {self.target!r} must be 'package.module:Attr.path' "
                 "(module, a colon, then the attribute path inside it)"
             )
-        if self.kind not in (REPLACE, WRAP):
-            raise PatchDefinitionError(f"patch {self.name!r}: kind must be 'replace' or 'wrap', not {self.kind!r}")
+        if self.kind not in (REPLACE, WRAP, FINDER):
+            raise PatchDefinitionError(
+                f"patch {self.name!r}: kind must be 'replace', 'wrap' or 'finder', not {self.kind!r}")
+        if self.kind == FINDER:
+            if self.target != FINDER_TARGET or not callable(getattr(self.impl, "find_spec", None)):
+                raise PatchDefinitionError(
+                    f"patch {self.name!r}: a finder patch has target {FINDER_TARGET!r} and an impl with "
+                    f"find_spec() (an importlib.abc.MetaPathFinder), got {self.target!r} and {type(self.impl).__name__}")
+            if self.placement not in ("first", "last"):
+                raise PatchDefinitionError(f"patch {self.name!r}: placement must be 'first' or 'last', "
+                                           f"not {self.placement!r}")
         if not callable(self.impl) and self.kind == WRAP:
             raise PatchDefinitionError(
                 f"patch {self.name!r}: a wrap patch needs a callable wrapper(wrapped, instance, args, kwargs), "
