@@ -11,7 +11,7 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 | PORTSPEED_DISABLE | comma-separated patch names or name prefixes | block those patches |
 | PORTSPEED_LOG_LEVEL | DEBUG, INFO, WARNING, ERROR | portspeed's logger level |
 | PORTSPEED_TIMEOUT | seconds (positive number) | collective / rendezvous timeout used by launchers and tests |
-| PORTSPEED_LOSS_LOG | file path | where the Megatron adaptor writes its JSON loss record |
+| PORTSPEED_LOSS_LOG | file path | where a training script writes its JSON loss record (`portspeed.megatron_adaptor.open_loss_log`, used by examples/pretrain_gpt.py; the stock scripts print losses instead, which `portspeed compare` parses) |
 """
 
 from __future__ import annotations
