@@ -399,7 +399,7 @@ def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
         from deepspeed.accelerator import real_accelerator
         from portspeed.patches import torch_cuda, torch_distributed, deepspeed as ds_patches
         from portspeed.patches.megatron import all_patches
-        from portspeed.patching.manager import _resolve
+        from portspeed.patching.targets import resolve_target as _resolve
 
         declared = torch_cuda.PATCHES + torch_distributed.PATCHES + ds_patches.PATCHES + all_patches()
         def current(target):

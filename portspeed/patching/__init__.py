@@ -1,11 +1,17 @@
 """The patch engine: declared changes to framework objects, applied lazily, composably, reversibly.
 
-Layer: engine. Imports only the foundation (``errors``, ``config``, ``versions``); it knows
-nothing of devices, collectives or frameworks. Patches are data (``Patch`` records) that the
-integrations register; the adapter is handed to ``when=`` conditions, never imported here.
+Layer: engine. Imports only the foundation (``errors``, ``config``, ``versions``), and the selected
+adapter only to hand it to a patch's ``when=`` condition; it knows nothing of collectives
+or frameworks. Patches are data (``Patch`` records) that the integrations register.
 
-- ``record``   ``Patch``: one frozen description of one change.
-- ``manager``  ``PatchManager``: registration, gating, install, revert, report.
+- ``record``   ``Patch``: one frozen description of one change (replace, wrap, or an import finder).
+- ``status``   ``PatchRecord`` and ``STATUSES``: what happened to each patch (the report's rows).
+- ``gate``     ``gate()``: whether a patch applies here; the manager and `portspeed info` both call it.
+- ``targets``  resolving ``"pkg.mod:Qual.attr"``, remembering the original, putting it back.
+- ``chain``    ``compose()``: the installed object, from the original and the live patches in order.
+- ``rebind``   the identity sweep over aliases, and the audit of references it cannot reach.
+- ``finders``  finder patches on ``sys.meta_path``.
+- ``manager``  ``PatchManager``: registration, post-import hooks, install/revert, scoped use, report.
 - ``drift``    upstream drift: patch targets missing or changed in a Megatron source.
 """
 
@@ -18,8 +24,8 @@ _PUBLIC = {
     "REPLACE": ".record",
     "WRAP": ".record",
     "PatchManager": ".manager",
-    "PatchRecord": ".manager",
-    "STATUSES": ".manager",
+    "PatchRecord": ".status",
+    "STATUSES": ".status",
 }
 __all__ = sorted(_PUBLIC)
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

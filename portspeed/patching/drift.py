@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
-import io
 import os
 import subprocess
 import sys

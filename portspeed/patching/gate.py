@@ -16,15 +16,20 @@ has a condition), so this engine module never selects one itself.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from portspeed.versions import GateVersion, gate_version
+from portspeed import config
+from portspeed.errors import PatchStrictError
+from portspeed.versions import SUPPORTED, GateVersion, gate_version
 
 if TYPE_CHECKING:
     from portspeed.config import Settings
     from portspeed.patching.record import Patch
 
-__all__ = ["GATE_STATUSES", "gate", "VersionCache"]
+log = logging.getLogger("portspeed.patches")
+
+__all__ = ["GATE_STATUSES", "VersionCache", "check_versions", "gate"]
 
 #: The statuses ``gate`` answers with (a subset of the manager's ``STATUSES``).
 GATE_STATUSES = ("disabled", "skipped", "inactive", "failed", "pending")
@@ -62,3 +67,36 @@ def gate(patch: Patch, settings: Settings, accelerator: Callable[[], Any],
         if not ok:
             return "inactive", f"condition false for accelerator {acc.name!r}"
     return "pending", f"waiting for `import {patch.module}`"
+
+
+def check_versions(seen: dict[str, GateVersion], said: set[str]) -> None:
+    """Say once when imported code shadows the installed release, and when a release is untested.
+
+    A version outside ``versions.SUPPORTED`` is one no patch was checked against: the patches
+    whose ranges admit it still apply (most releases keep most targets), with one warning
+    naming the supported range; under PORTSPEED_STRICT=1 it is an error.
+    """
+    from packaging.specifiers import SpecifierSet
+
+    for dist, gv in seen.items():
+        if gv.version is None:
+            continue
+        key = f"{dist}=={gv.version}@{gv.source}"
+        if gv.shadowed and key + ":shadow" not in said:
+            said.add(key + ":shadow")
+            log.warning("portspeed: %s", gv.describe(dist))
+        supported = SUPPORTED.get(dist)
+        if supported is None or gv.version in SpecifierSet(supported, prereleases=True):
+            continue
+        message = (f"{gv.describe(dist)} is outside the range portspeed's patches were checked against "
+                   f"({dist} {supported})")
+        if config.settings().strict:
+            raise PatchStrictError(
+                f"PORTSPEED_STRICT=1 and {message}. Install a {dist} in {supported!r}, or unset "
+                f"PORTSPEED_STRICT to run with the patches whose ranges admit it "
+                f"(`portspeed patches --check {gv.version}` lists the targets that changed).")
+        if key not in said:
+            said.add(key)
+            log.warning("portspeed: %s; the patches whose ranges admit it are applied untested. "
+                        "`portspeed patches --check %s` lists targets that moved or changed; "
+                        "PORTSPEED_STRICT=1 makes this an error.", message, gv.version)

@@ -1,5 +1,9 @@
 """The patch manager: applies declared Patch records, lazily, composably, reversibly.
 
+It orchestrates the pieces beside it: ``gate`` (does a patch apply here), ``targets``
+(resolve, remember, put back), ``chain`` (compose what is installed), ``rebind`` (the
+identity sweep and its audit), ``finders`` (import-finder patches), ``status`` (the records).
+
 Contract
 - ``register`` validates and stores patches; two replacements of one target raise
   PatchConflictError naming both (unless one is blocked by PORTSPEED_DISABLE), a second
@@ -42,77 +46,26 @@ strings, tuples, None...) are never swept. See docs/patch-manager.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import gc
 import logging
 import sys
 import threading
 import types
-import warnings
 from typing import Any, Iterable, Iterator
 
 from portspeed import config
 from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
 from portspeed.patching import finders
+from portspeed.patching.chain import compose
+from portspeed.patching.rebind import sweep, unrebindable
 from portspeed.patching.record import FINDER, REPLACE, Patch
-from portspeed.patching.gate import VersionCache, gate
-from portspeed.versions import SUPPORTED, GateVersion, gate_version
+from portspeed.patching.status import STATUSES, PatchRecord
+from portspeed.patching.targets import MISSING, TargetState, put_back, raw_attribute, resolve_target
+from portspeed.patching.gate import VersionCache, check_versions, gate
+from portspeed.versions import gate_version
 
 __all__ = ["PatchManager", "PatchRecord", "STATUSES"]
 
 log = logging.getLogger("portspeed.patches")
-
-#: Every status a patch can be in, as shown by the report.
-STATUSES = ("registered", "pending", "applied", "skipped", "inactive", "disabled", "failed", "reverted")
-
-#: Top-level packages whose namespaces are never rebound (by package, not by name prefix:
-#: a user module called ``portspeed_tools`` is rebound like any other).
-_NO_REBIND_PACKAGES = frozenset({"portspeed", "wrapt", "importlib", "_frozen_importlib",
-                                 "_frozen_importlib_external"})
-_MISSING = object()
-
-
-@dataclasses.dataclass
-class PatchRecord:
-    """What happened to one patch; the report is a list of these."""
-
-    patch: Patch
-    seq: int
-    status: str = "registered"
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """The record as plain data (what `portspeed patches` prints)."""
-        p = self.patch
-        return {
-            "name": p.name,
-            "target": p.target,
-            "kind": p.kind,
-            "status": self.status,
-            "detail": self.detail,
-            "reason": p.reason,
-            "distribution": p.distribution,
-            "versions": p.versions,
-            "order": p.order,
-        }
-
-
-@dataclasses.dataclass
-class _TargetState:
-    """Bookkeeping for one patched attribute."""
-
-    target: str
-    owner: Any
-    attr: str
-    had_own: bool  # the attribute lived in vars(owner), not inherited
-    original_raw: Any  # what vars(owner)[attr] held (descriptor included)
-    original_value: Any  # what getattr(owner, attr) returned
-    installed_raw: Any = _MISSING
-    installed_value: Any = _MISSING
-    chain: tuple[str, ...] = ()
-    rebound: list[tuple[Any, str, str]] = dataclasses.field(default_factory=list)
-
 
 class _StrictViolation(Exception):
     """Internal: a batch hit skipped/failed patches under PORTSPEED_STRICT=1."""
@@ -122,100 +75,12 @@ class _StrictViolation(Exception):
         self.records = records
 
 
-def _resolve(module: types.ModuleType, path: tuple[str, ...]) -> tuple[Any, str]:
-    """Walk ``path`` from ``module``; return (owner, last attribute name) or raise AttributeError."""
-    owner: Any = module
-    for part in path[:-1]:
-        owner = getattr(owner, part)
-    attr = path[-1]
-    if isinstance(owner, type):
-        for klass in owner.__mro__:
-            if attr in vars(klass):
-                return owner, attr
-        raise AttributeError(f"{owner.__qualname__} has no attribute {attr!r}")
-    if not hasattr(owner, attr):
-        raise AttributeError(f"{getattr(owner, '__name__', owner)!r} has no attribute {attr!r}")
-    return owner, attr
-
-
-def _raw(owner: Any, attr: str) -> tuple[Any, bool]:
-    """The raw attribute (descriptors unbound) and whether it is the owner's own."""
-    if isinstance(owner, type):
-        if attr in vars(owner):
-            return vars(owner)[attr], True
-        for klass in owner.__mro__[1:]:
-            if attr in vars(klass):
-                return vars(klass)[attr], False
-    return getattr(owner, attr), True
-
-
-_is_class = type.__dict__["__instancecheck__"].__get__(type)  # isinstance(x, type), callable from C
-
-
-def _namespaces(modules: Iterable[Any], ids: Any) -> Iterator[tuple[Any, str]]:
-    """Module dicts, and the classes defined in them, that hold an object whose id is in ``ids``.
-
-    This is the hot loop of apply: the membership tests run in C (``isdisjoint`` over
-    ``map(id, ...)``, ``filter`` with a C predicate), so the cost is a few tens of
-    nanoseconds per namespace entry.
-    """
-    for mod in modules:
-        name = getattr(mod, "__name__", None)
-        if not isinstance(name, str) or name.partition(".")[0] in _NO_REBIND_PACKAGES:
-            continue
-        ns = getattr(mod, "__dict__", None)
-        if not isinstance(ns, dict):
-            continue
-        values = list(ns.values())
-        if not ids.isdisjoint(map(id, values)):
-            yield ns, name
-        for cls in filter(_is_class, values):
-            d = cls.__dict__
-            if d.get("__module__") == name and not ids.isdisjoint(map(id, list(d.values()))):
-                yield _ClassNamespace(cls), f"{name}.{cls.__qualname__}"
-
-
-def _rebindable(obj: Any) -> bool:
-    """Identity rebinding makes sense for functions, classes and other objects, not for shared immutables."""
-    return not isinstance(obj, (int, float, complex, str, bytes, tuple, frozenset, type(None)))
-
-
-class _ClassNamespace:
-    """A class seen as a namespace: read through __dict__, write through setattr."""
-
-    __slots__ = ("cls",)
-
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
-
-    def items(self) -> Any:
-        return self.cls.__dict__.items()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.cls.__dict__.get(key, default)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        setattr(self.cls, key, value)
-
-
-def _is_owner_slot(ns: Any, key: str, st: _TargetState) -> bool:
-    """True for the slot the target lives in, or (inherited target) where it is defined."""
-    if key != st.attr:
-        return False
-    if isinstance(ns, _ClassNamespace):
-        if ns.cls is st.owner:
-            return True
-        # Patching Sub.method that Sub inherits must not rewrite Base.method.
-        return isinstance(st.owner, type) and ns.cls in st.owner.__mro__
-    return ns is getattr(st.owner, "__dict__", None)
-
-
 class PatchManager:
     """Holds patches, applies and reverts them. One process-wide instance lives in portspeed.manager()."""
 
     def __init__(self) -> None:
         self._records: dict[str, PatchRecord] = {}
-        self._targets: dict[str, _TargetState] = {}
+        self._targets: dict[str, TargetState] = {}
         self._hooked_modules: set[str] = set()
         self._active = False
         self._generation = 0
@@ -335,7 +200,7 @@ class PatchManager:
                     d["chain"] = list(st.chain)
                     d["rebound"] = [label for _, _, label in st.rebound]
                     if deep:
-                        d["unrebindable"] = self._unrebindable(st)
+                        d["unrebindable"] = unrebindable(st, self._targets)
                 out.append(d)
             return out
 
@@ -422,40 +287,8 @@ class PatchManager:
             r.status, r.detail = status, detail
             if status == "pending":
                 by_module.setdefault(r.patch.module, []).append(r)
-        self._check_versions(seen)
+        check_versions(seen, self._said)
         return by_module
-
-    def _check_versions(self, seen: dict[str, GateVersion]) -> None:
-        """Say once when imported code shadows the installed release, and when a release is untested.
-
-        A version outside ``versions.SUPPORTED`` is one no patch was checked against: the patches
-        whose ranges admit it still apply (most releases keep most targets), with one warning
-        naming the supported range; under PORTSPEED_STRICT=1 it is an error.
-        """
-        from packaging.specifiers import SpecifierSet
-
-        for dist, gv in seen.items():
-            if gv.version is None:
-                continue
-            key = f"{dist}=={gv.version}@{gv.source}"
-            if gv.shadowed and key + ":shadow" not in self._said:
-                self._said.add(key + ":shadow")
-                log.warning("portspeed: %s", gv.describe(dist))
-            supported = SUPPORTED.get(dist)
-            if supported is None or gv.version in SpecifierSet(supported, prereleases=True):
-                continue
-            message = (f"{gv.describe(dist)} is outside the range portspeed's patches were checked against "
-                       f"({dist} {supported})")
-            if config.settings().strict:
-                raise PatchStrictError(
-                    f"PORTSPEED_STRICT=1 and {message}. Install a {dist} in {supported!r}, or unset "
-                    f"PORTSPEED_STRICT to run with the patches whose ranges admit it "
-                    f"(`portspeed patches --check {gv.version}` lists the targets that changed).")
-            if key not in self._said:
-                self._said.add(key)
-                log.warning("portspeed: %s; the patches whose ranges admit it are applied untested. "
-                            "`portspeed patches --check %s` lists targets that moved or changed; "
-                            "PORTSPEED_STRICT=1 makes this an error.", message, gv.version)
 
     def _check_replacements(self, by_module: dict[str, list[PatchRecord]]) -> None:
         """Two live replacements of one target (possible when PORTSPEED_DISABLE changed since register)."""
@@ -480,7 +313,7 @@ class PatchManager:
                 r.status, r.detail = before[r.patch.name]
         for t in new_targets:
             st = self._targets.get(t)
-            if st is not None and st.installed_value is _MISSING:
+            if st is not None and st.installed_value is MISSING:
                 del self._targets[t]
 
     def _hook(self, module_name: str) -> None:
@@ -521,7 +354,7 @@ class PatchManager:
         for r in records:
             p = r.patch
             try:
-                owner, attr = _resolve(module, p.attr_path)
+                owner, attr = resolve_target(module, p.attr_path)
             except AttributeError as exc:
                 gv = gate_version(p.distribution) if p.distribution else None
                 if gv is not None and gv.version is not None:
@@ -534,10 +367,10 @@ class PatchManager:
                                          "moved, so this patch needs updating for this version")
                 continue
             st = self._targets.get(p.target)
-            if st is None or (st.installed_value is _MISSING and p.target not in targets):
+            if st is None or (st.installed_value is MISSING and p.target not in targets):
                 # not installed now: (re)read the original, the module may have been reloaded
-                raw, own = _raw(owner, attr)
-                self._targets[p.target] = _TargetState(
+                raw, own = raw_attribute(owner, attr)
+                self._targets[p.target] = TargetState(
                     target=p.target, owner=owner, attr=attr, had_own=own,
                     original_raw=raw, original_value=getattr(owner, attr))
                 new_targets.append(p.target)
@@ -557,42 +390,13 @@ class PatchManager:
             rs.sort(key=lambda r: (r.patch.kind != REPLACE, r.patch.order, r.seq))
         return wanted
 
-    def _compose(self, st: _TargetState, records: list[PatchRecord]) -> tuple[Any, tuple[str, ...]]:
-        raw = st.original_raw
-        base: Any = raw
-        chain = [f"original {st.target}"]
-        for r in records:
-            p = r.patch
-            if p.kind == REPLACE:
-                impl = p.impl
-                if isinstance(raw, staticmethod) and not isinstance(impl, staticmethod):
-                    impl = staticmethod(impl)
-                elif isinstance(raw, classmethod) and not isinstance(impl, classmethod):
-                    impl = classmethod(impl)
-                base = impl
-                chain = [f"replacement {p.name}"]
-            elif p.style == "function":
-                inner = base
-                base = p.impl(inner)
-                if not callable(base):
-                    raise TypeError(f"the factory of {p.name} returned {type(base).__name__}, not a callable")
-                if getattr(base, "__wrapped__", None) is not inner:  # the chain walk (report, revert) follows it
-                    base = functools.wraps(inner)(base)
-                chain.append(f"wrapper {p.name} (order {p.order}, plain function)")
-            else:
-                import wrapt
-
-                base = wrapt.FunctionWrapper(base, p.impl)
-                chain.append(f"wrapper {p.name} (order {p.order})")
-        return base, tuple(chain)
-
     def _install_many(self, targets: list[str], full_sweep: bool, since: str | None = None) -> None:
         """Install several targets, then rebind stale references in one sweep; all or nothing under strict."""
         live = self._live_by_target(targets)
         drop = [t for t in targets if not live[t]]
-        done: list[tuple[_TargetState, Any, Any, tuple[str, ...], list[PatchRecord]]] = []
+        done: list[tuple[TargetState, Any, Any, tuple[str, ...], list[PatchRecord]]] = []
         failed: list[PatchRecord] = []
-        replaced: dict[int, tuple[Any, _TargetState]] = {}
+        replaced: dict[int, tuple[Any, TargetState]] = {}
         for target in targets:
             records = live[target]
             if not records:
@@ -600,7 +404,7 @@ class PatchManager:
             st = self._targets[target]
             snapshot = (st, st.installed_raw, st.installed_value, st.chain, records)
             try:
-                new_raw, chain = self._compose(st, records)
+                new_raw, chain = compose(st, records)
                 setattr(st.owner, st.attr, new_raw)
                 new_value = getattr(st.owner, st.attr)
             except Exception as exc:
@@ -614,123 +418,39 @@ class PatchManager:
                 r.status, r.detail = "applied", ""
             st.chain, st.installed_raw, st.installed_value = chain, new_raw, new_value
             for old in (st.original_value, previous):
-                if old is not _MISSING and old is not None and old is not new_value:  # None: an empty slot, not a stale alias
+                if old is not MISSING and old is not None and old is not new_value:  # None: an empty slot, not a stale alias
                     replaced[id(old)] = (old, st)
         if failed and config.settings().strict:
             for st, old_raw, old_value, old_chain, _ in reversed(done):
-                self._put_back(st, old_raw)
+                put_back(st, old_raw)
                 st.installed_raw, st.installed_value, st.chain = old_raw, old_value, old_chain
             raise _StrictViolation(failed)
         if drop:
             self._uninstall_many(drop)
         if replaced:
-            self._sweep(replaced, full_sweep=full_sweep, since=since)
-
-    def _put_back(self, st: _TargetState, raw: Any) -> None:
-        """Put ``raw`` (or the original when _MISSING) back on the owner."""
-        if raw is not _MISSING:
-            setattr(st.owner, st.attr, raw)
-        elif st.had_own:
-            setattr(st.owner, st.attr, st.original_raw)
-        elif st.attr in vars(st.owner):
-            delattr(st.owner, st.attr)
+            sweep(replaced, full_sweep=full_sweep, since=since)
 
     def _uninstall_many(self, targets: list[str]) -> None:
         """Restore originals of ``targets`` and every alias of their installed chains, in one sweep."""
-        restored: dict[int, tuple[Any, _TargetState]] = {}
+        restored: dict[int, tuple[Any, TargetState]] = {}
         for target in targets:
             st = self._targets.get(target)
-            if st is None or st.installed_value is _MISSING:
+            if st is None or st.installed_value is MISSING:
                 continue
             installed = st.installed_value
-            self._put_back(st, _MISSING)
+            put_back(st, MISSING)
             for ns, key, _label in st.rebound:
                 if ns.get(key) is installed:
                     ns[key] = st.original_value
             st.rebound.clear()
-            st.installed_raw = st.installed_value = _MISSING
+            st.installed_raw = st.installed_value = MISSING
             st.chain = ()
             restored[id(installed)] = (installed, st)
         if restored:
             # aliases taken after patching (`from x import f` once patched) go back too
-            self._sweep(restored, full_sweep=True, since=None, restoring=True)
-
-    def _sweep(self, replaced: dict[int, tuple[Any, _TargetState]], full_sweep: bool,
-               since: str | None, restoring: bool = False) -> None:
-        """Rebind every module/class attribute that holds a replaced object."""
-        replaced = {k: v for k, v in replaced.items() if _rebindable(v[0])}
-        if not replaced:
-            return
-        modules = list(sys.modules.values())
-        if not full_sweep and since is not None and since in sys.modules:
-            # A module's own objects can only be bound by itself and by what it imported
-            # while running (later in sys.modules); modules that import it later bind after
-            # this hook ran, so they get the patched objects already.
-            if all(getattr(old, "__module__", since) == since for old, _ in replaced.values()):
-                modules = modules[list(sys.modules).index(since):]
-        ids = replaced.keys()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # deprecated attributes warn when touched
-            hits = list(_namespaces(modules, ids))  # collect first: rebinding must not disturb the walk
-            for ns, label in hits:
-                for key, value in [(k, v) for k, v in ns.items() if id(v) in ids]:
-                    old, st = replaced[id(value)]
-                    if old is not value or _is_owner_slot(ns, key, st):
-                        continue
-                    new = st.original_value if restoring or st.installed_value is _MISSING else st.installed_value
-                    try:
-                        ns[key] = new
-                    except TypeError:  # immutable C type (torch.ByteTensor...): nothing we could rebind
-                        continue
-                    if not restoring:
-                        st.rebound.append((ns, key, f"{label}.{key}"))
+            sweep(restored, full_sweep=True, since=None, restoring=True)
 
     # ------------------------------------------------------------------ diagnostics
-    def _unrebindable(self, st: _TargetState) -> list[str]:
-        """References to the original that no attribute rebinding reaches (closures, defaults, containers)."""
-        found: list[str] = []
-        original = st.original_value
-        ignore = {id(st), id(self._targets)} | {id(vars(s)) for s in self._targets.values()}
-        ignore |= _chain_internals(st.installed_value, original)
-        for ref in gc.get_referrers(original):
-            if id(ref) in ignore or isinstance(ref, (types.FrameType, _TargetState)):
-                continue
-            if isinstance(ref, dict):
-                if ref.get("__name__") and "__builtins__" in ref:
-                    continue  # module namespace: rebound already, or portspeed's own on purpose
-                if "__module__" in ref:
-                    cls = next((t for t in gc.get_referrers(ref) if isinstance(t, type)
-                                and any(x is ref for x in gc.get_referents(t))), None)
-                    if cls is None or _swept_class(cls, st):
-                        continue  # class namespace: rebound, or where the original is defined
-                    found.append(f"class attribute of {cls.__module__}.{cls.__qualname__} "
-                                 "(not a top-level class of a module)")
-                    continue
-                kw = _functions_with(ref, "__kwdefaults__")
-                if kw:
-                    found += [f"keyword default of {f}" for f in kw]
-                else:
-                    found.append(f"dict container holding {st.attr}")
-            elif isinstance(ref, types.CellType):
-                users = [f for t in gc.get_referrers(ref) if isinstance(t, tuple)
-                         for f in _functions_with(t, "__closure__")]
-                found.append(f"closure cell holding {st.attr}" + (f" (used by {', '.join(users)})" if users else ""))
-            elif isinstance(ref, tuple):
-                if any(isinstance(t, type) and (t.__mro__ is ref or t.__bases__ is ref)
-                       for t in gc.get_referrers(ref)):
-                    continue  # a class's bases: listed as a subclass below
-                owners = _functions_with(ref, "__defaults__")
-                if owners:
-                    found += [f"default argument of {f}" for f in owners]
-                else:
-                    found.append(f"tuple container holding {st.attr}")
-            elif isinstance(ref, (list, set)):
-                found.append(f"{type(ref).__name__} container holding {st.attr}")
-        if isinstance(original, type):
-            found += [f"subclass {c.__module__}.{c.__qualname__} (bases cannot be rebound)"
-                      for c in original.__subclasses__()]
-        return found
-
     def _mark(self, r: PatchRecord, status: str, detail: str) -> None:
         r.status, r.detail = status, detail
         log.warning("portspeed patch %s %s: %s", r.patch.name, status, detail)
@@ -758,32 +478,6 @@ def _take_finders(by_module: dict[str, list[PatchRecord]]) -> list[PatchRecord]:
         else:
             del by_module[module]
     return taken
-
-
-def _chain_internals(installed: Any, original: Any) -> set[int]:
-    """ids of the cells and __dict__s through which the installed chain itself holds the original."""
-    ids: set[int] = set()
-    obj, seen = installed, 0
-    while obj is not _MISSING and obj is not original and seen < 64:
-        if isinstance(obj, types.FunctionType):
-            ids.add(id(obj.__dict__))
-            ids.update(id(c) for c in obj.__closure__ or ())
-        obj, seen = getattr(obj, "__wrapped__", _MISSING), seen + 1
-    return ids
-
-
-def _swept_class(cls: type, st: _TargetState) -> bool:
-    """Whether the sweep reaches ``cls`` (a top-level class of its module) or it defines the target."""
-    if isinstance(st.owner, type) and cls in st.owner.__mro__:
-        return True
-    module = sys.modules.get(getattr(cls, "__module__", None) or "")
-    return module is not None and vars(module).get(cls.__name__) is cls
-
-
-def _functions_with(obj: Any, attr: str) -> list[str]:
-    """Names of the functions whose ``attr`` (``__defaults__``, ``__closure__``...) is ``obj``."""
-    return [f"{f.__module__}.{f.__qualname__}" for f in gc.get_referrers(obj)
-            if isinstance(f, types.FunctionType) and getattr(f, attr, None) is obj]
 
 
 def _conflict(first: Patch, second: Patch) -> PatchConflictError:
