@@ -60,7 +60,8 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
             "first_finder": repr(sys.meta_path[0]),
             "records": len(portspeed.manager().records()),
             "translation": "portspeed.accelerator.translation" in sys.modules,
-            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router", "portspeed.accelerator.contract",
+            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router", "portspeed.comm.groups",
+                                          "portspeed.comm.rewrites", "portspeed.accelerator.contract",
                                           "portspeed.accelerator.selection")
                             if m in sys.modules),
             "all_reduce_untouched": dist.all_reduce is before,

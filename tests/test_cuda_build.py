@@ -34,7 +34,7 @@ PROBE = textwrap.dedent(
     acc = get_accelerator()
     dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    from portspeed.comm.router import real_backend
+    from portspeed.comm import real_backend
     x = torch.ones(3, device=torch.device(acc.device_type))
     dist.all_reduce(x, group=parallel_state.get_data_parallel_group())
     out = dict(facts, adapter=acc.name, reason=selection_reason(), requested=dist.get_backend(),
