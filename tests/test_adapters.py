@@ -36,7 +36,6 @@ if str(_HERE) not in sys.path:
 
 from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, fake_torch_xpu  # noqa: E402
 
-from portspeed import config  # noqa: E402
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
 from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator, registered_backend  # noqa: E402
 from portspeed.comm.capabilities import KNOWN_BACKENDS, check_backend_name  # noqa: E402
@@ -318,13 +317,7 @@ def _child_results(name: str) -> dict[str, str]:
     raise AssertionError(f"conformance child for {name!r} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
 
 
-@pytest.fixture(autouse=True)
-def _clean_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in ("PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND"):
-        monkeypatch.delenv(var, raising=False)
-    config.reload()
-    yield
-    config.reload()
+pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py: clean settings, selection forgotten
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))

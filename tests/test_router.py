@@ -17,7 +17,6 @@ import torch.distributed._functional_collectives as functional_collectives
 from torch.distributed import distributed_c10d as c10d
 
 import portspeed
-from portspeed import config
 from portspeed import comm
 from portspeed.comm import backends, groups, rewrites, router
 from portspeed.accelerator import Accelerator, adapter_class, reset_accelerator, set_accelerator
@@ -373,31 +372,17 @@ def test_the_deprecated_module_warns_and_hands_back_the_same_functions() -> None
 
 # ---------------------------------------------------------------------- PORTSPEED_BACKEND
 @pytest.mark.parametrize("value", ["cuda:nccl", "nccl,gloo", "gl oo"])
-def test_garbage_portspeed_backend_is_a_config_error(monkeypatch, value: str) -> None:
+def test_garbage_portspeed_backend_is_a_config_error(portspeed_env, value: str) -> None:
     """PORTSPEED_BACKEND with device prefixes, commas or spaces fails naming the variable."""
-    monkeypatch.setenv("PORTSPEED_BACKEND", value)
-    try:
-        with pytest.raises(ConfigError, match="PORTSPEED_BACKEND"):
-            config.reload()
-    finally:
-        monkeypatch.delenv("PORTSPEED_BACKEND")
-        config.reload()
+    with pytest.raises(ConfigError, match="PORTSPEED_BACKEND"):
+        portspeed_env(PORTSPEED_BACKEND=value)
 
 
-def test_unknown_portspeed_backend_fails_at_selection_listing_known_ones(monkeypatch) -> None:
+def test_unknown_portspeed_backend_fails_at_selection_listing_known_ones(portspeed_env) -> None:
     """A well-formed but unknown PORTSPEED_BACKEND fails when the adapter is selected, listing known names."""
-    monkeypatch.setenv("PORTSPEED_BACKEND", "fooccl")
-    monkeypatch.setenv("PORTSPEED_ACCELERATOR", "cpu")
-    config.reload()
-    reset_accelerator()
-    try:
-        with pytest.raises((ConfigError, UnknownBackendError), match="fooccl.*gloo"):
-            portspeed.get_accelerator()
-    finally:
-        monkeypatch.delenv("PORTSPEED_BACKEND")
-        monkeypatch.delenv("PORTSPEED_ACCELERATOR")
-        config.reload()
-        reset_accelerator()
+    portspeed_env(PORTSPEED_BACKEND="fooccl", PORTSPEED_ACCELERATOR="cpu")
+    with pytest.raises((ConfigError, UnknownBackendError), match="fooccl.*gloo"):
+        portspeed.get_accelerator()
 
 
 # ---------------------------------------------------------------------- torch's logging layer
