@@ -17,9 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 import portspeed
-from portspeed import config
 from portspeed.cli import patches as patch_report
-from portspeed.accelerator import reset_accelerator
 from portspeed.patching.manager import PatchManager
 from portspeed.patching.record import WRAP, Patch
 
@@ -53,12 +51,9 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
-def mgr(modules: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[PatchManager]:
+def mgr(modules: None, monkeypatch: pytest.MonkeyPatch, portspeed_env: Any) -> Iterator[PatchManager]:
     """A fresh process-wide manager holding one patch per status, over a module not yet imported."""
-    monkeypatch.setenv("PORTSPEED_DISABLE", "t.disabled")
-    monkeypatch.delenv("PORTSPEED_STRICT", raising=False)
-    config.reload()
-    reset_accelerator()
+    portspeed_env(PORTSPEED_DISABLE="t.disabled")
     fresh = PatchManager()
     monkeypatch.setattr(portspeed, "_manager", fresh)
     common = dict(kind=WRAP, impl=_shout, reason="tests the report")
@@ -72,9 +67,6 @@ def mgr(modules: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[PatchManager
     fresh.apply()
     yield fresh
     fresh.revert()
-    monkeypatch.undo()
-    config.reload()
-    reset_accelerator()
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
