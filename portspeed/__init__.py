@@ -15,8 +15,8 @@ import logging as _logging
 import threading as _threading
 from typing import TYPE_CHECKING, Any
 
-from portspeed.patching import manager as _patch_manager
 from portspeed.errors import PortspeedError
+from portspeed.lazy import lazy_exports as _lazy_exports
 
 if TYPE_CHECKING:
     from portspeed.accelerator import Accelerator, get_accelerator, set_accelerator
@@ -44,26 +44,15 @@ _logging.getLogger("portspeed").addHandler(_logging.NullHandler())
 #: Public names served from submodules on first use, so that importing an adaptor (which
 #: imports this package) loads nothing it does not need yet (docs/benchmarks.md, import).
 _LAZY = {
-    "Accelerator": "accelerator", "get_accelerator": "accelerator", "set_accelerator": "accelerator",
-    "Patch": "patching.record", "REPLACE": "patching.record", "WRAP": "patching.record",
+    "Accelerator": ".accelerator", "get_accelerator": ".accelerator", "set_accelerator": ".accelerator",
+    "Patch": ".patching.record", "REPLACE": ".patching.record", "WRAP": ".patching.record",
+    "PatchManager": ".patching.manager",
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name == "PatchManager":
-        return _patch_manager.PatchManager
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'portspeed' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, _lazy_dir = _lazy_exports(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(set(_lazy_dir()) | set(__all__))
 
 
 _manager: "PatchManager | None" = None
@@ -76,7 +65,9 @@ def manager() -> "PatchManager":
     if _manager is None:
         with _manager_lock:
             if _manager is None:
-                _manager = _patch_manager.PatchManager()
+                from portspeed.patching.manager import PatchManager
+
+                _manager = PatchManager()
     return _manager
 
 

@@ -12,7 +12,10 @@ is already imported). What ``activate()`` does, and the loss-record helpers, liv
 
 from __future__ import annotations
 
-from portspeed.integrations.megatron import (activate, deactivate, loss_record_meta, megatron_patches, note_fallback,
-                                             open_loss_log)
+from portspeed.integrations.megatron import activate, deactivate, loss_record_meta, megatron_patches, open_loss_log
+from portspeed.lazy import lazy_exports
+
+# loaded on first use (it imports the Megatron patch modules' common part)
+__getattr__, __dir__ = lazy_exports(__name__, {"note_fallback": "portspeed.integrations.megatron"})
 
 __all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "note_fallback", "open_loss_log"]

@@ -9,4 +9,5 @@ patch modules. The public entry points ``portspeed.megatron_adaptor`` and
 - ``megatron``        the Megatron patch set and its activation.
 - ``deepspeed``       the DeepSpeed patch set, its activation and accelerator hook.
 - ``ds_accelerator``  DeepSpeed's accelerator object, answered by the active adapter.
+- ``ds_op_builders``  which DeepSpeed op builders it offers, and what stands for the rest.
 """

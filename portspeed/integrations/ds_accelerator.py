@@ -20,9 +20,8 @@ Contract
   DeepSpeed's host-side op builders (``HOST_OP_BUILDERS``: CPU Adam/Adagrad/Lion, async
   I/O, pinned host memory; offload is host work on every accelerator), the same classes
   DeepSpeed's CPU accelerator offers. Device kernels (FusedAdam, transformer kernels...)
-  are not: ``create_op_builder`` returns None, and the class ``get_op_builder`` returns
-  (what ``deepspeed.ops.op_builder.<Name>`` resolves to) reports itself incompatible and
-  raises ``PortspeedError`` naming the kernel and the adapter when loaded.
+  are not: ``create_op_builder`` returns None, and ``get_op_builder`` returns a stand-in
+  class that says why (``portspeed.integrations.ds_op_builders``).
 
 Limits: importing this module imports DeepSpeed; ``portspeed.deepspeed_adaptor`` imports
 it only from a post-import hook, once DeepSpeed is being imported anyway.
@@ -46,7 +45,7 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from portspeed.accelerator import Accelerator
-from portspeed.errors import PortspeedError
+from portspeed.integrations.ds_op_builders import COMM_OP_BUILDERS, HOST_OP_BUILDERS, unavailable_builder
 
 __all__ = ["AdapterBacked", "HOST_OP_BUILDERS", "PortspeedCpuAccelerator", "PortspeedAccelerator",
            "build_ds_accelerator"]
@@ -193,10 +192,6 @@ class AdapterBacked:
         return f"<{type(self).__name__} backed by {self._adapter!r}>"
 
 
-#: DeepSpeed op builders whose kernels do collectives themselves, bypassing torch.distributed.
-COMM_OP_BUILDERS = frozenset({"ShareMemCommBuilder", "CCLCommBuilder"})
-
-
 class PortspeedCpuAccelerator(AdapterBacked, CPU_Accelerator):
     """DeepSpeed's CPU accelerator with the answers of a cpu-like portspeed adapter.
 
@@ -221,53 +216,6 @@ class PortspeedCpuAccelerator(AdapterBacked, CPU_Accelerator):
         if local.isdigit() and int(local) > 0 and not os.environ.get("LOCAL_SIZE"):
             return int(local)
         return int(CPU_Accelerator.device_count(self))
-
-
-#: DeepSpeed op builders whose kernels run on the host whatever the device: optimizer steps
-#: on host (offloaded) partitions, NVMe async I/O, page-locked host buffers.
-HOST_OP_BUILDERS = frozenset({"CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder",
-                              "PinMemoryBuilder"})
-
-
-def _unavailable_builder(class_name: str, adapter: Accelerator) -> type:
-    """An op builder class standing for a device kernel the adapter has not: incompatible, and
-    loading it raises a clear error (instead of DeepSpeed calling None)."""
-    from deepspeed.ops.op_builder.builder import OpBuilder
-
-    message = (
-        f"DeepSpeed's {class_name} builds a device kernel, which portspeed does not offer on the "
-        f"{adapter.name!r} adapter (device {adapter.device_type!r}); only DeepSpeed's host-side builders "
-        f"({', '.join(sorted(HOST_OP_BUILDERS))}) are. Use the torch implementation instead (for Adam: "
-        "\"torch_adam\": true in the optimizer params)"
-    )
-
-    class UnavailableBuilder(OpBuilder):
-        NAME = f"portspeed_unavailable_{class_name}"
-        BUILD_VAR = "DS_BUILD_PORTSPEED_UNAVAILABLE"
-
-        def __init__(self) -> None:
-            super().__init__(name=self.NAME)
-
-        def absolute_name(self) -> str:
-            return f"portspeed.unavailable.{class_name}"
-
-        def sources(self) -> list[str]:
-            return []
-
-        def is_compatible(self, verbose: bool = False) -> bool:
-            if verbose:
-                self.warning(message)
-            return False
-
-        def load(self, verbose: bool = True) -> Any:
-            raise PortspeedError(message)
-
-        def jit_load(self, verbose: bool = True) -> Any:
-            raise PortspeedError(message)
-
-    UnavailableBuilder.__name__ = UnavailableBuilder.__qualname__ = class_name
-    UnavailableBuilder.unavailable_reason = message  # type: ignore[attr-defined]
-    return UnavailableBuilder
 
 
 def _tensor_factory(dtype: torch.dtype, device: Callable[[], str]) -> Callable[..., torch.Tensor]:
@@ -380,7 +328,7 @@ class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
             return CPU_Accelerator.get_op_builder(self, class_name)
         builder = self._unavailable.get(class_name)
         if builder is None:
-            builder = self._unavailable[class_name] = _unavailable_builder(class_name, self._adapter)
+            builder = self._unavailable[class_name] = unavailable_builder(class_name, self._adapter)
         return builder
 
     def build_extension(self) -> Any:

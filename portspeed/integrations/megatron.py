@@ -33,7 +33,7 @@ from portspeed import config
 from portspeed.integrations import activation
 
 from portspeed.accelerator import scope as framework_modules
-from portspeed.patches.megatron.core_common import note_fallback  # re-exported: its home is beside the patches
+from portspeed.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from portspeed.patching.record import Patch
@@ -44,6 +44,9 @@ __all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "no
 ADAPTOR = "portspeed.megatron_adaptor"
 
 log = logging.getLogger("portspeed.megatron")
+
+# note_fallback lives beside the patches; re-exported on first use, so the adaptor's import stays cheap
+__getattr__, __dir__ = lazy_exports(__name__, {"note_fallback": "portspeed.patches.megatron.core_common"})
 
 def megatron_patches() -> list[Patch]:
     """torch_cuda + router + Megatron patches, in registration order."""

@@ -10,8 +10,10 @@ or frameworks. Patches are data (``Patch`` records) that the integrations regist
 - ``targets``  resolving ``"pkg.mod:Qual.attr"``, remembering the original, putting it back.
 - ``chain``    ``compose()``: the installed object, from the original and the live patches in order.
 - ``rebind``   the identity sweep over aliases, and the audit of references it cannot reach.
+- ``install``  the setattr work: resolve records, install a batch of targets, uninstall them.
+- ``hooks``    post-import hooks (wrapt), retired as a whole on revert.
 - ``finders``  finder patches on ``sys.meta_path``.
-- ``manager``  ``PatchManager``: registration, post-import hooks, install/revert, scoped use, report.
+- ``manager``  ``PatchManager``: registration, gating, strict batches, revert, scoped use, report.
 - ``drift``    upstream drift: patch targets missing or changed in a Megatron source.
 """
 

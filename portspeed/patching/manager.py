@@ -1,8 +1,8 @@
 """The patch manager: applies declared Patch records, lazily, composably, reversibly.
 
-It orchestrates the pieces beside it: ``gate`` (does a patch apply here), ``targets``
-(resolve, remember, put back), ``chain`` (compose what is installed), ``rebind`` (the
-identity sweep and its audit), ``finders`` (import-finder patches), ``status`` (the records).
+It orchestrates the pieces beside it: ``gate`` (does a patch apply here), ``install``
+(resolve, compose, set and put back targets, with ``targets``, ``chain`` and ``rebind``),
+``hooks`` (post-import hooks), ``finders`` (import-finder patches), ``status`` (the records).
 
 Contract
 - ``register`` validates and stores patches; two replacements of one target raise
@@ -46,7 +46,6 @@ strings, tuples, None...) are never swept. See docs/patch-manager.md.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 import types
@@ -55,24 +54,16 @@ from typing import Any, Iterable, Iterator
 from portspeed import config
 from portspeed.errors import PatchConflictError, PatchDefinitionError, PatchStrictError
 from portspeed.patching import finders
-from portspeed.patching.chain import compose
-from portspeed.patching.rebind import sweep, unrebindable
+from portspeed.patching.gate import VersionCache, check_versions, gate
+from portspeed.patching.hooks import ImportHooks
+from portspeed.patching.install import (StrictViolation, install_many, mark, resolve_records,
+                                        uninstall_many)
+from portspeed.patching.rebind import unrebindable
 from portspeed.patching.record import FINDER, REPLACE, Patch
 from portspeed.patching.status import STATUSES, PatchRecord
-from portspeed.patching.targets import MISSING, TargetState, put_back, raw_attribute, resolve_target
-from portspeed.patching.gate import VersionCache, check_versions, gate
-from portspeed.versions import gate_version
+from portspeed.patching.targets import MISSING, TargetState
 
 __all__ = ["PatchManager", "PatchRecord", "STATUSES"]
-
-log = logging.getLogger("portspeed.patches")
-
-class _StrictViolation(Exception):
-    """Internal: a batch hit skipped/failed patches under PORTSPEED_STRICT=1."""
-
-    def __init__(self, records: list[PatchRecord]) -> None:
-        super().__init__()
-        self.records = records
 
 
 class PatchManager:
@@ -81,11 +72,10 @@ class PatchManager:
     def __init__(self) -> None:
         self._records: dict[str, PatchRecord] = {}
         self._targets: dict[str, TargetState] = {}
-        self._hooked_modules: set[str] = set()
         self._active = False
-        self._generation = 0
         self._seq = 0
         self._lock = threading.RLock()
+        self._hooks = ImportHooks(self._lock)
         self._said: set[str] = set()  # version warnings given once per manager
 
     # ------------------------------------------------------------------ register
@@ -151,9 +141,8 @@ class PatchManager:
         """Restore every original object (rebound aliases included) and forget pending hooks."""
         with self._lock:
             self._active = False
-            self._generation += 1  # hooks registered before this point do nothing when they fire
-            self._hooked_modules.clear()
-            self._uninstall_many(list(reversed(list(self._targets))))
+            self._hooks.forget()  # hooks registered before this point do nothing when they fire
+            uninstall_many(self._targets, list(reversed(list(self._targets))))
             for r in self._records.values():
                 if r.patch.kind == FINDER and r.status == "applied":
                     finders.remove(r.patch.impl)
@@ -185,7 +174,8 @@ class PatchManager:
                 touched = {self._records[n].patch.target for n in added}
                 for n in added:
                     self._records.pop(n, None)
-                self._install_many([t for t in self._targets if t in touched], full_sweep=True)
+                install_many(self._targets, self._records.values(),
+                             [t for t in self._targets if t in touched], full_sweep=True)
                 self._active = was_active
 
     # ------------------------------------------------------------------ report
@@ -237,33 +227,26 @@ class PatchManager:
         installed_finders: list[PatchRecord] = []
         try:
             by_module = self._gate(records)
-            finder_records = _take_finders(by_module)
+            finder_records = finders.take(by_module)
             self._check_replacements(by_module)
-            ready = [m for m in by_module if m in sys.modules]
             targets: list[str] = []
-            for m in ready:
-                targets += self._resolve_records(sys.modules[m], by_module[m], new_targets)
-            violations = [r for r in records if r.status in ("skipped", "failed")]
-            self._raise_if_strict(violations)
+            for m in [m for m in by_module if m in sys.modules]:
+                targets += resolve_records(self._targets, sys.modules[m], by_module[m], new_targets)
+            self._raise_if_strict([r for r in records if r.status in ("skipped", "failed")])
             if targets:
-                self._install_many(targets, full_sweep=True)
-            for r in finder_records:
-                finders.install(r.patch.impl, r.patch.placement)
-                installed_finders.append(r)
-                r.status, r.detail = "applied", f"finder {r.patch.placement} on sys.meta_path"
-        except _StrictViolation as exc:
-            self._rollback(records, before, exc.records, new_targets)
+                install_many(self._targets, self._records.values(), targets, full_sweep=True)
+            finders.install_records(finder_records, installed_finders)
+        except BaseException as exc:
+            strict = exc.records if isinstance(exc, StrictViolation) else []
+            self._rollback(records, before, strict, new_targets)
             for r in installed_finders:
                 finders.remove(r.patch.impl)
-            raise self._strict_error(exc.records) from None
-        except BaseException:
-            self._rollback(records, before, [], new_targets)
-            for r in installed_finders:
-                finders.remove(r.patch.impl)
+            if isinstance(exc, StrictViolation):
+                raise self._strict_error(exc.records) from None
             raise
         for m in by_module:
             if m not in sys.modules:
-                self._hook(m)
+                self._hooks.hook(m, self._on_import)
 
     def _gate(self, records: list[PatchRecord]) -> dict[str, list[PatchRecord]]:
         """Set each record's status with ``gate()`` (the same function `portspeed info` uses); group the survivors by module."""
@@ -282,7 +265,7 @@ class PatchManager:
         for r in records:
             status, detail = gate(r.patch, settings, accelerator, seen)
             if status in ("skipped", "failed"):
-                self._mark(r, status, detail)
+                mark(r, status, detail)
                 continue
             r.status, r.detail = status, detail
             if status == "pending":
@@ -316,148 +299,27 @@ class PatchManager:
             if st is not None and st.installed_value is MISSING:
                 del self._targets[t]
 
-    def _hook(self, module_name: str) -> None:
-        if module_name in self._hooked_modules:
+    def _on_import(self, module: types.ModuleType) -> None:
+        """A hooked module was imported: install its pending patches (under the lock ``ImportHooks`` holds)."""
+        if not self._active:
             return
-        self._hooked_modules.add(module_name)
-        generation = self._generation
+        pending = [r for r in self._records.values()
+                   if r.status == "pending" and r.patch.module == module.__name__]
+        before = {r.patch.name: ("registered", "") for r in pending}
+        new_targets: list[str] = []
+        try:
+            targets = resolve_records(self._targets, module, pending, new_targets)
+            self._raise_if_strict([r for r in pending if r.status in ("skipped", "failed")])
+            install_many(self._targets, self._records.values(), targets, full_sweep=False, since=module.__name__)
+        except StrictViolation as exc:
+            # The import fails (importlib drops the module); call apply() again to retry.
+            self._rollback(pending, before, exc.records, new_targets)
+            raise self._strict_error(exc.records) from None
 
-        def on_import(module: types.ModuleType) -> None:
-            with self._lock:
-                if self._generation != generation:
-                    return  # reverted since: a newer hook (if any) owns this module
-                if not self._active:
-                    self._hooked_modules.discard(module_name)
-                    return
-                self._hooked_modules.discard(module_name)  # wrapt fires a hook once
-                pending = [r for r in self._records.values()
-                           if r.status == "pending" and r.patch.module == module_name]
-                before = {r.patch.name: ("registered", "") for r in pending}
-                new_targets: list[str] = []
-                try:
-                    targets = self._resolve_records(module, pending, new_targets)
-                    self._raise_if_strict([r for r in pending if r.status in ("skipped", "failed")])
-                    self._install_many(targets, full_sweep=False, since=module_name)
-                except _StrictViolation as exc:
-                    # The import fails (importlib drops the module); call apply() again to retry.
-                    self._rollback(pending, before, exc.records, new_targets)
-                    raise self._strict_error(exc.records) from None
-
-        import wrapt  # imported when first needed: an adaptor's import loads nothing it does not use yet
-
-        wrapt.register_post_import_hook(on_import, module_name)
-
-    def _resolve_records(self, module: types.ModuleType, records: list[PatchRecord],
-                         new_targets: list[str]) -> list[str]:
-        """Find each record's owner object; records whose target is missing become skipped."""
-        targets: list[str] = []
-        for r in records:
-            p = r.patch
-            try:
-                owner, attr = resolve_target(module, p.attr_path)
-            except AttributeError as exc:
-                gv = gate_version(p.distribution) if p.distribution else None
-                if gv is not None and gv.version is not None:
-                    where = f" in {gv.describe(p.distribution)}"
-                elif p.distribution:
-                    where = f" ({p.distribution} version unknown)"
-                else:
-                    where = ""
-                self._mark(r, "skipped", f"target {p.target} not found{where}: {exc}; the upstream code "
-                                         "moved, so this patch needs updating for this version")
-                continue
-            st = self._targets.get(p.target)
-            if st is None or (st.installed_value is MISSING and p.target not in targets):
-                # not installed now: (re)read the original, the module may have been reloaded
-                raw, own = raw_attribute(owner, attr)
-                self._targets[p.target] = TargetState(
-                    target=p.target, owner=owner, attr=attr, had_own=own,
-                    original_raw=raw, original_value=getattr(owner, attr))
-                new_targets.append(p.target)
-            if p.target not in targets:
-                targets.append(p.target)
-        return targets
-
-    # ------------------------------------------------------------------ install / uninstall
-    def _live_by_target(self, targets: Iterable[str]) -> dict[str, list[PatchRecord]]:
-        """Pending/applied records of each target, in chain order (replacement first, then wrappers)."""
-        wanted = {t: [] for t in targets}  # type: dict[str, list[PatchRecord]]
-        for r in self._records.values():
-            rs = wanted.get(r.patch.target)
-            if rs is not None and r.status in ("pending", "applied"):
-                rs.append(r)
-        for rs in wanted.values():
-            rs.sort(key=lambda r: (r.patch.kind != REPLACE, r.patch.order, r.seq))
-        return wanted
-
-    def _install_many(self, targets: list[str], full_sweep: bool, since: str | None = None) -> None:
-        """Install several targets, then rebind stale references in one sweep; all or nothing under strict."""
-        live = self._live_by_target(targets)
-        drop = [t for t in targets if not live[t]]
-        done: list[tuple[TargetState, Any, Any, tuple[str, ...], list[PatchRecord]]] = []
-        failed: list[PatchRecord] = []
-        replaced: dict[int, tuple[Any, TargetState]] = {}
-        for target in targets:
-            records = live[target]
-            if not records:
-                continue
-            st = self._targets[target]
-            snapshot = (st, st.installed_raw, st.installed_value, st.chain, records)
-            try:
-                new_raw, chain = compose(st, records)
-                setattr(st.owner, st.attr, new_raw)
-                new_value = getattr(st.owner, st.attr)
-            except Exception as exc:
-                for r in records:
-                    self._mark(r, "failed", f"installing on {target} raised {type(exc).__name__}: {exc}")
-                failed += records
-                continue
-            done.append(snapshot)
-            previous = st.installed_value
-            for r in records:
-                r.status, r.detail = "applied", ""
-            st.chain, st.installed_raw, st.installed_value = chain, new_raw, new_value
-            for old in (st.original_value, previous):
-                if old is not MISSING and old is not None and old is not new_value:  # None: an empty slot, not a stale alias
-                    replaced[id(old)] = (old, st)
-        if failed and config.settings().strict:
-            for st, old_raw, old_value, old_chain, _ in reversed(done):
-                put_back(st, old_raw)
-                st.installed_raw, st.installed_value, st.chain = old_raw, old_value, old_chain
-            raise _StrictViolation(failed)
-        if drop:
-            self._uninstall_many(drop)
-        if replaced:
-            sweep(replaced, full_sweep=full_sweep, since=since)
-
-    def _uninstall_many(self, targets: list[str]) -> None:
-        """Restore originals of ``targets`` and every alias of their installed chains, in one sweep."""
-        restored: dict[int, tuple[Any, TargetState]] = {}
-        for target in targets:
-            st = self._targets.get(target)
-            if st is None or st.installed_value is MISSING:
-                continue
-            installed = st.installed_value
-            put_back(st, MISSING)
-            for ns, key, _label in st.rebound:
-                if ns.get(key) is installed:
-                    ns[key] = st.original_value
-            st.rebound.clear()
-            st.installed_raw = st.installed_value = MISSING
-            st.chain = ()
-            restored[id(installed)] = (installed, st)
-        if restored:
-            # aliases taken after patching (`from x import f` once patched) go back too
-            sweep(restored, full_sweep=True, since=None, restoring=True)
-
-    # ------------------------------------------------------------------ diagnostics
-    def _mark(self, r: PatchRecord, status: str, detail: str) -> None:
-        r.status, r.detail = status, detail
-        log.warning("portspeed patch %s %s: %s", r.patch.name, status, detail)
-
+    # ------------------------------------------------------------------ strict mode
     def _raise_if_strict(self, violations: list[PatchRecord]) -> None:
         if violations and config.settings().strict:
-            raise _StrictViolation(violations)
+            raise StrictViolation(violations)
 
     def _strict_error(self, violations: list[PatchRecord]) -> PatchStrictError:
         what = "; ".join(f"{r.patch.name!r} ({r.patch.target}) {r.status}: {r.detail}" for r in violations)
@@ -465,19 +327,6 @@ class PatchManager:
             f"PORTSPEED_STRICT=1 and {what}. Nothing of this batch was applied. Unset PORTSPEED_STRICT "
             "to continue without it, or PORTSPEED_DISABLE it on purpose."
         )
-
-
-def _take_finders(by_module: dict[str, list[PatchRecord]]) -> list[PatchRecord]:
-    """Remove the finder patches from ``by_module`` (they change sys.meta_path, not an attribute) and return them."""
-    taken: list[PatchRecord] = []
-    for module in list(by_module):
-        rest = [r for r in by_module[module] if r.patch.kind != FINDER]
-        taken += [r for r in by_module[module] if r.patch.kind == FINDER]
-        if rest:
-            by_module[module] = rest
-        else:
-            del by_module[module]
-    return taken
 
 
 def _conflict(first: Patch, second: Patch) -> PatchConflictError:
