@@ -8,15 +8,12 @@ checks need neither Megatron nor DeepSpeed; one check uses megatron-core when in
 
 from __future__ import annotations
 
-import json
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from helpers.launch import child_json, run_snippet
 from helpers.requires import require
-
-from helpers.launch import run_python
 
 # The framework package: its body records, while it runs, what it sees.
 FRAMEWORK_INIT = '''
@@ -32,25 +29,22 @@ SEEN_AT_IMPORT = {
 '''
 
 
-def _run(code: str, tmp_path: Path, env: dict[str, str] | None = None, check: bool = True):
+TIMEOUT = 180  # seconds per child interpreter
+
+
+def _framework(tmp_path: Path, **env: str) -> dict[str, str]:
+    """Write the framework package into ``tmp_path``; the child's environment naming it (plus ``env``)."""
     pkg = tmp_path / "fw_pkg"
     if not pkg.exists():
         pkg.mkdir()
         (pkg / "__init__.py").write_text(FRAMEWORK_INIT)
         (pkg / "sub.py").write_text("import torch\n")
-    full_env = {"PYTHONPATH": str(tmp_path), "PORTSPEED_FRAMEWORK_MODULES": "fw_pkg", "PORTSPEED_ACCELERATOR": "cpu"}
-    full_env.update(env or {})
-    res = run_python(["-c", textwrap.dedent(code)], timeout=180, env=full_env)
-    return res.check() if check else res
-
-
-def _json(res) -> dict:
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return {"PYTHONPATH": str(tmp_path), "PORTSPEED_FRAMEWORK_MODULES": "fw_pkg", "PORTSPEED_ACCELERATOR": "cpu", **env}
 
 
 def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
     """Importing the adaptor patches nothing, loads neither wrapt nor packaging, and leaves one finder waiting."""
-    got = _json(_run('''
+    got = child_json('''
         import json, sys, torch, torch.distributed as dist
         before = dist.all_reduce
         import portspeed.megatron_adaptor, portspeed
@@ -66,7 +60,7 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
                             if m in sys.modules),
             "all_reduce_untouched": dist.all_reduce is before,
         }))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got["waiting"] == ["portspeed.megatron_adaptor"]
     assert "activation trigger for portspeed.megatron_adaptor" in got["first_finder"]
     assert got["records"] == 0 and got["translation"] is False and got["heavy"] == []
@@ -75,7 +69,7 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
 
 def test_first_framework_import_sets_up_before_its_body_runs(tmp_path: Path) -> None:
     """The framework's own body already sees the view and the patches: set-up ran before it, not after."""
-    got = _json(_run('''
+    got = child_json('''
         import json, sys, torch.distributed as dist
         import portspeed.megatron_adaptor, portspeed
         from portspeed.integrations import activation
@@ -88,7 +82,7 @@ def test_first_framework_import_sets_up_before_its_body_runs(tmp_path: Path) -> 
             "all_reduce_routed": hasattr(dist.all_reduce, "__wrapped__"),
             "applied": sum(r["status"] == "applied" for r in portspeed.report()),
         }))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got["seen"]["translation_enabled"] and got["seen"]["torch_is_view"] and got["seen"]["cuda_is_view"]
     assert got["seen"]["records"] > 0, "patches were registered before the framework body ran"
     assert got["sub_torch_is_view"] is True
@@ -98,7 +92,7 @@ def test_first_framework_import_sets_up_before_its_body_runs(tmp_path: Path) -> 
 
 def test_adaptor_after_framework_sets_up_at_once(tmp_path: Path) -> None:
     """Framework imported first: the adaptor's import sets up at once and rebinds the framework's torch."""
-    got = _json(_run('''
+    got = child_json('''
         import json, sys
         import fw_pkg
         import portspeed.megatron_adaptor
@@ -107,20 +101,20 @@ def test_adaptor_after_framework_sets_up_at_once(tmp_path: Path) -> None:
         print(json.dumps({"waiting": activation.waiting(), "enabled": translation.enabled(),
                           "torch_is_view": fw_pkg.torch is translation.torch_view(),
                           "seen_view_at_import": fw_pkg.SEEN_AT_IMPORT["torch_is_view"]}))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got == {"waiting": [], "enabled": True, "torch_is_view": True, "seen_view_at_import": False}
 
 
 def test_report_sets_up_a_waiting_adaptor(tmp_path: Path) -> None:
     """portspeed.report() before the framework's import shows what its import will do, as before the deferral."""
-    got = _json(_run('''
+    got = child_json('''
         import json, sys
         import portspeed.megatron_adaptor, portspeed
         from portspeed.integrations import activation
         status = {r["name"]: r["status"] for r in portspeed.report()}
         print(json.dumps({"waiting": activation.waiting(), "status": status,
                           "megatron_imported": "megatron" in sys.modules}))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got["waiting"] == [] and got["megatron_imported"] is False
     assert got["status"]["torch.distributed.all_reduce.route"] == "applied"
     assert any(s == "pending" for n, s in got["status"].items() if n.startswith("megatron."))
@@ -128,7 +122,7 @@ def test_report_sets_up_a_waiting_adaptor(tmp_path: Path) -> None:
 
 def test_explicit_activate_cancels_the_trigger(tmp_path: Path) -> None:
     """activate() called by the program sets up once; the framework's import then finds no trigger."""
-    got = _json(_run('''
+    got = child_json('''
         import json, sys
         import portspeed.megatron_adaptor as ad, portspeed
         from portspeed.integrations import activation
@@ -138,7 +132,7 @@ def test_explicit_activate_cancels_the_trigger(tmp_path: Path) -> None:
         print(json.dumps({"waiting": activation.waiting(), "same": n == len(portspeed.manager().records()),
                           "seen_view": fw_pkg.SEEN_AT_IMPORT["torch_is_view"],
                           "triggers": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)]}))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got == {"waiting": [], "same": True, "seen_view": True, "triggers": []}
 
 
@@ -146,14 +140,15 @@ def test_bad_environment_fails_at_the_adaptor_import(tmp_path: Path) -> None:
     """A malformed PORTSPEED_* value is reported by `import portspeed.megatron_adaptor` itself."""
     for var, value, words in (("PORTSPEED_STRICT", "maybe", "PORTSPEED_STRICT='maybe' is not a boolean"),
                               ("PORTSPEED_FRAMEWORK_MODULES", "bad name!", "PORTSPEED_FRAMEWORK_MODULES has invalid")):
-        res = _run("import portspeed.megatron_adaptor\nprint('imported')\n", tmp_path, env={var: value}, check=False)
+        res = run_snippet("import portspeed.megatron_adaptor\nprint('imported')\n", timeout=TIMEOUT,
+                          env=_framework(tmp_path, **{var: value}))
         assert res.returncode != 0 and "imported" not in res.stdout, (var, res.stdout)
         assert words in res.stderr, res.stderr[-2000:]
 
 
 def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
     """An unknown adapter name fails the framework's import with the adapter message; activate() retries it."""
-    got = _json(_run('''
+    got = child_json('''
         import json, os
         import portspeed.megatron_adaptor as ad
         from portspeed import config
@@ -174,7 +169,7 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
         from portspeed.accelerator import translation
         print(json.dumps({"first": first, "waiting_after": waiting_after,
                           "then": fw_pkg.torch is translation.torch_view()}))
-    ''', tmp_path, env={"PORTSPEED_ACCELERATOR": "tpu"}))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_ACCELERATOR="tpu"))
     assert got["first"].startswith("UnknownAcceleratorError") and "'tpu'" in got["first"], got["first"]
     assert got["waiting_after"] == []
     assert got["then"] is True
@@ -183,20 +178,20 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
 def test_other_modules_import_normally_while_waiting(tmp_path: Path) -> None:
     """Until it fires, the trigger answers None for every other module (stdlib, torch, a module named like the prefix)."""
     (tmp_path / "fw_pkg_other.py").write_text("VALUE = 7\n")
-    got = _json(_run('''
+    got = child_json('''
         import json
         import portspeed.megatron_adaptor
         from portspeed.integrations import activation
         import fw_pkg_other, email.parser, torch.nn.functional
         print(json.dumps({"waiting": activation.waiting(), "value": fw_pkg_other.VALUE}))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got == {"waiting": ["portspeed.megatron_adaptor"], "value": 7}
 
 
 def test_megatron_import_sets_up_the_megatron_adaptor(tmp_path: Path) -> None:
     """With megatron-core: `import megatron.core.parallel_state` fires the set-up; Megatron's modules see the view."""
     require("megatron.core", "pip install 'portspeed[megatron]'")
-    got = _json(_run('''
+    got = child_json('''
         import json
         import portspeed.megatron_adaptor, portspeed
         from portspeed.integrations import activation
@@ -207,20 +202,20 @@ def test_megatron_import_sets_up_the_megatron_adaptor(tmp_path: Path) -> None:
         print(json.dumps({"before": waiting, "after": activation.waiting(),
                           "view": ps.torch is translation.torch_view(),
                           "nccl_options": status["megatron.core.parallel_state.nccl_options"]}))
-    ''', tmp_path, env={"PORTSPEED_FRAMEWORK_MODULES": ""}))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_FRAMEWORK_MODULES=""))
     assert got == {"before": ["portspeed.megatron_adaptor"], "after": [], "view": True, "nccl_options": "applied"}
 
 
 def test_deepspeed_adaptor_waits_for_deepspeed(tmp_path: Path) -> None:
     """The DeepSpeed adaptor's set-up waits for `import deepspeed` and is independent of the Megatron one."""
-    got = _json(_run('''
+    got = child_json('''
         import json, sys
         import portspeed.deepspeed_adaptor, portspeed.megatron_adaptor
         from portspeed.integrations import activation
         waiting = activation.waiting()
         import fw_pkg
         print(json.dumps({"before": waiting, "after": activation.waiting()}))
-    ''', tmp_path))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path))
     assert got["before"] == ["portspeed.deepspeed_adaptor", "portspeed.megatron_adaptor"]
     assert got["after"] == ["portspeed.deepspeed_adaptor"]
 

@@ -20,8 +20,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -35,6 +33,7 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, fake_torch_xpu  # noqa: E402
+from helpers.launch import child_json  # noqa: E402
 
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
 from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator, registered_backend  # noqa: E402
@@ -301,20 +300,13 @@ def _run_checks_here(name: str, register_device: bool) -> dict[str, str]:
 
 def _child_main(name: str) -> None:
     """Entry of the child process for adapters whose fake renames PrivateUse1."""
-    print("PORTSPEED_CONFORMANCE " + json.dumps(_run_checks_here(name, register_device=True)))
+    print(json.dumps(_run_checks_here(name, register_device=True)))
 
 
 @functools.lru_cache(maxsize=None)
 def _child_results(name: str) -> dict[str, str]:
     code = f"import sys; sys.path.insert(0, {str(_HERE)!r}); import test_adapters; test_adapters._child_main({name!r})"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTSPEED_ACCELERATOR": ""}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env, cwd=str(_HERE)
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("PORTSPEED_CONFORMANCE "):
-            return json.loads(line.split(" ", 1)[1])
-    raise AssertionError(f"conformance child for {name!r} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return child_json(code, timeout=180, env={"PORTSPEED_ACCELERATOR": ""}, cwd=_HERE)
 
 
 pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py: clean settings, selection forgotten
@@ -516,19 +508,13 @@ def _child_main_testdev() -> None:
         out["torch_accelerator_path"] = "ok"
     except Exception:
         out["torch_accelerator_path"] = traceback.format_exc()
-    print("PORTSPEED_CONFORMANCE " + json.dumps(out))
+    print(json.dumps(out))
 
 
 @functools.lru_cache(maxsize=None)
 def _testdev_results() -> dict[str, str]:
     code = f"import sys; sys.path.insert(0, {str(_HERE)!r}); import test_adapters; test_adapters._child_main_testdev()"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PORTSPEED_ACCELERATOR": ""}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=str(_HERE))
-    for line in proc.stdout.splitlines():
-        if line.startswith("PORTSPEED_CONFORMANCE "):
-            return json.loads(line.split(" ", 1)[1])
-    raise AssertionError(f"test-device conformance child exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return child_json(code, timeout=600, env={"PORTSPEED_ACCELERATOR": ""}, cwd=_HERE)
 
 
 @pytest.mark.testdev

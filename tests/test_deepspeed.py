@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from helpers.launch import child_json, run_snippet
 from helpers.requires import require
 
 deepspeed = require("deepspeed", "pip install 'portspeed[deepspeed]'")
@@ -61,7 +61,12 @@ TOL = {"fp32": 1e-5, "bf16": 5e-3}
 TIMEOUT = 300.0
 
 
+#: what a child must not inherit: this run's portspeed settings and DeepSpeed's own accelerator choice
+CLEAN = ("PORTSPEED_*", "DS_ACCELERATOR*")
+
+
 def _clean_env(**extra: str) -> dict[str, str]:
+    """The whole environment for ``run_ranks`` (it takes one as is): this one without ``CLEAN``, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PORTSPEED_", "DS_ACCELERATOR"))}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
@@ -245,7 +250,7 @@ def test_testdev_zero3_bf16_reduce_scatter_is_rewritten(testdev_run: dict[str, A
 @pytest.mark.testdev
 def test_testdev_offers_deepspeeds_host_op_builders_only() -> None:
     """On the test device DeepSpeed gets its host builders (CPU Adam, async I/O...) and a clear error for device kernels."""
-    got = _child("""
+    got = child_json("""
         import json, torch
         import portspeed.deepspeed_adaptor, deepspeed
         import deepspeed.ops.op_builder as ob
@@ -269,7 +274,7 @@ def test_testdev_offers_deepspeeds_host_op_builders_only() -> None:
             "fused_compatible": ob.FusedAdamBuilder().is_compatible(), "fused": fused,
             "memory": [acc.total_memory(0), acc.available_memory(0), total, free],
         }))
-    """, **TESTDEV)
+    """, timeout=TIMEOUT, env=TESTDEV, drop=CLEAN)
     assert got["cls"] == "PortspeedAccelerator" and got["device"] == "testdev:0"
     assert all(got["host_same"].values()), got["host_same"]  # stock: None, so CPUAdamBuilder() raised TypeError
     assert got["cpu_adam_compatible"] is True
@@ -282,15 +287,7 @@ def test_testdev_offers_deepspeeds_host_op_builders_only() -> None:
 
 
 # ---------------------------------------------------------------------- single-process checks in a child
-def _child(code: str, **env: str) -> dict[str, Any]:
-    """Run ``code`` in a fresh interpreter; it prints one JSON line last, which is returned."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=TIMEOUT, env=_clean_env(**env), cwd=str(ROOT))
-    if proc.returncode != 0:
-        pytest.fail(f"child failed (rc={proc.returncode}):\n{_tail(proc.stderr)}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
+# (child_json: a fresh interpreter without CLEAN's variables; it prints one JSON line last, which is returned)
 _PROBE = """
     import json, torch, portspeed
     from deepspeed.accelerator import get_accelerator
@@ -316,7 +313,7 @@ def test_deepspeed_gets_adapter_backed_accelerator(order: str) -> None:
     imports = ("import sys, portspeed.deepspeed_adaptor\nDS_BEFORE = 'deepspeed' in sys.modules\nimport deepspeed\n"
                if order == "adaptor_first" else
                "import sys, deepspeed\nDS_BEFORE = True\nimport portspeed.deepspeed_adaptor\n")
-    got = _child(imports + textwrap.dedent(_PROBE), LOCAL_RANK="1")
+    got = child_json(imports + textwrap.dedent(_PROBE), timeout=TIMEOUT, env={"LOCAL_RANK": "1"}, drop=CLEAN)
     assert got["deepspeed_before_adaptor"] is (order == "deepspeed_first")
     assert got["cls"] == "PortspeedCpuAccelerator" and got["backed_by_adapter"] and got["engine_sees_same"]
     assert got["device_is_torch_device"] and got["device"] == "cpu"  # stock: None
@@ -328,26 +325,26 @@ def test_deepspeed_gets_adapter_backed_accelerator(order: str) -> None:
 
 def test_importing_the_adaptor_does_not_import_deepspeed() -> None:
     """`import portspeed.deepspeed_adaptor` leaves DeepSpeed unimported (its hook waits for DeepSpeed's import)."""
-    got = _child("""
+    got = child_json("""
         import sys, json, portspeed.deepspeed_adaptor, portspeed
         print(json.dumps({"ds": "deepspeed" in sys.modules,
                           "status": {r["name"]: r["status"] for r in portspeed.report()}}))
-    """)
+    """, timeout=TIMEOUT, drop=CLEAN)
     assert got["ds"] is False
     assert got["status"]["deepspeed.comm.init_distributed.backend"] == "pending"
 
 
 def test_ds_accelerator_env_contradiction_raises() -> None:
     """DS_ACCELERATOR naming another device than the adapter's fails `import deepspeed` with a ConfigError."""
-    proc = subprocess.run([sys.executable, "-c", "import portspeed.deepspeed_adaptor, deepspeed"],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=_clean_env(DS_ACCELERATOR="cuda"))
+    proc = run_snippet("import portspeed.deepspeed_adaptor, deepspeed", timeout=TIMEOUT,
+                       env={"DS_ACCELERATOR": "cuda"}, drop=CLEAN)
     assert proc.returncode != 0
     assert "DS_ACCELERATOR='cuda'" in proc.stderr and "PORTSPEED_ACCELERATOR" in proc.stderr
 
 
 def test_mpi_discovery_still_runs_and_nccl_is_routed() -> None:
     """Without launcher variables DeepSpeed still runs its MPI discovery (here a FAKE one), then 'nccl' becomes Gloo."""
-    got = _child("""
+    got = child_json("""
         import json, os, socket
         import portspeed.deepspeed_adaptor, portspeed, deepspeed
         import deepspeed.comm.comm as ds_comm
@@ -365,7 +362,7 @@ def test_mpi_discovery_still_runs_and_nccl_is_routed() -> None:
         print(json.dumps({"calls": calls, "real": router.real_backend(), "asked": dist.get_backend(),
                           "detail": rec["deepspeed.comm.init_distributed.backend"]["detail"]}))
         dist.destroy_process_group()
-    """)
+    """, timeout=TIMEOUT, drop=CLEAN)
     assert got["calls"] == [12345]
     assert got["real"] == "gloo" and got["asked"] == "nccl"
     assert "'nccl' -> 'gloo'" in got["detail"]
@@ -373,7 +370,7 @@ def test_mpi_discovery_still_runs_and_nccl_is_routed() -> None:
 
 def test_nccl_is_mapped_by_the_deepspeed_patch_when_router_patches_are_disabled() -> None:
     """With the router's torch.distributed patches disabled, the DeepSpeed patch maps 'nccl' itself."""
-    got = _child("""
+    got = child_json("""
         import json, os, socket
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -385,7 +382,7 @@ def test_nccl_is_mapped_by_the_deepspeed_patch_when_router_patches_are_disabled(
                           "router": rec["torch.distributed.init_process_group.backend"]["status"],
                           "detail": rec["deepspeed.comm.init_distributed.backend"]["detail"]}))
         dist.destroy_process_group()
-    """, PORTSPEED_DISABLE="torch.distributed.*")
+    """, timeout=TIMEOUT, env={"PORTSPEED_DISABLE": "torch.distributed.*"}, drop=CLEAN)
     assert got["router"] == "disabled"
     assert got["backend"] == "gloo"
     assert "'nccl' -> 'gloo' (mapped here" in got["detail"]
@@ -393,7 +390,7 @@ def test_nccl_is_mapped_by_the_deepspeed_patch_when_router_patches_are_disabled(
 
 def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
     """Both adaptors in one process: every patch once, both sets reported, revert restores everything."""
-    got = _child("""
+    got = child_json("""
         import json, importlib, sys
         import torch.distributed, megatron.core, deepspeed
         from deepspeed.accelerator import real_accelerator
@@ -452,7 +449,7 @@ def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
             "reapplied": (portspeed.deepspeed_adaptor.activate(),
                           type(real_accelerator.ds_accelerator).__name__)[1],
         }))
-    """)
+    """, timeout=TIMEOUT, drop=CLEAN)
     assert got["n"] == got["unique"]
     assert got["megatron"] > 0 and got["router"] > 0
     assert got["deepspeed"] == ["deepspeed.accelerator", "deepspeed.comm.init_distributed.backend"]
@@ -467,7 +464,7 @@ def test_both_adaptors_apply_once_and_revert_restores_everything() -> None:
 
 def test_cuda_adapter_leaves_deepspeed_its_own_accelerator() -> None:
     """On the CUDA adapter DeepSpeed keeps its own accelerator (its CUDA kernels): the patch is inactive, not failed."""
-    got = _child("""
+    got = child_json("""
         import json, portspeed
         from portspeed.adapters.cuda import CudaAccelerator
         portspeed.set_accelerator(CudaAccelerator())
@@ -475,14 +472,14 @@ def test_cuda_adapter_leaves_deepspeed_its_own_accelerator() -> None:
         acc = deepspeed.accelerator.get_accelerator()
         rec = {r["name"]: r for r in portspeed.report()}
         print(json.dumps({"module": type(acc).__module__, "status": rec["deepspeed.accelerator"]["status"]}))
-    """)
+    """, timeout=TIMEOUT, drop=CLEAN)
     assert got["status"] == "inactive"
     assert got["module"].startswith("deepspeed.accelerator.")
 
 
 def test_program_injected_accelerator_is_left_in_place() -> None:
     """An accelerator the program gave DeepSpeed's set_accelerator itself is an explicit choice: portspeed keeps it."""
-    got = _child("""
+    got = child_json("""
         import json
         from deepspeed.accelerator import set_accelerator, get_accelerator
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
@@ -493,7 +490,7 @@ def test_program_injected_accelerator_is_left_in_place() -> None:
         import portspeed, portspeed.deepspeed_adaptor
         print(json.dumps({"kept": get_accelerator() is mine,
                           "names": [r["name"] for r in portspeed.report()]}))
-    """)
+    """, timeout=TIMEOUT, drop=CLEAN)
     assert got["kept"] is True
     assert "deepspeed.accelerator" not in got["names"]
 

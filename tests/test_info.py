@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from fakes import fake_torch_npu  # noqa: E402
+from helpers.launch import child_json  # noqa: E402
 
 from portspeed import config  # noqa: E402
 
@@ -196,13 +195,10 @@ def test_gate_disabled_and_conditions() -> None:
 def test_info_imports_no_framework() -> None:
     """`portspeed info` reads gates from metadata: Megatron and DeepSpeed stay unimported."""
     code = (
-        "import sys, io, contextlib\n"
+        "import sys, io, json, contextlib\n"
         "from portspeed.cli.info import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    main(['--json'])\n"
-        "print(sorted(m for m in ('megatron', 'deepspeed') if m in sys.modules))\n"
+        "print(json.dumps(sorted(m for m in ('megatron', 'deepspeed') if m in sys.modules)))\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert child_json(code, timeout=180) == []

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from helpers.launch import Result, run_python
 from helpers.requires import require
 
 from portspeed.cli import run as launch
@@ -52,18 +51,14 @@ PROBE = textwrap.dedent(
 )
 
 
-def _env(extra_path: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if extra_path is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(extra_path), env.get("PYTHONPATH", "")) if p)
-    return env
+def _pythonpath(first: Path) -> dict[str, str]:
+    """PYTHONPATH with ``first`` ahead of this process's."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(first), os.environ.get("PYTHONPATH", "")) if p)}
 
 
-def _portspeed_run(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "portspeed.cli", "run", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-    )
+def _portspeed_run(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> Result:
+    """``python -m portspeed.cli run args...`` in ``cwd`` (its process group killed at TIMEOUT); not checked."""
+    return run_python(["-m", "portspeed.cli", "run", *args], timeout=TIMEOUT, env=env, cwd=cwd)
 
 
 @pytest.fixture()
@@ -85,7 +80,7 @@ def test_two_workers_import_the_adaptor_then_run_the_script_as_main(probe: Path)
     out = probe / "out"
     res = _portspeed_run(
         ["--nproc-per-node", "2", "--adaptor", "probe_pkg.probe_adaptor", "probe.py", "--out", str(out), "--spawn"],
-        cwd=probe, env=_env(probe),
+        cwd=probe, env=_pythonpath(probe),
     )
     assert res.returncode == 0, res.stderr[-3000:]
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -105,7 +100,7 @@ def test_default_adaptor_is_the_megatron_adaptor(probe: Path) -> None:
     """Without --adaptor, workers import portspeed.megatron_adaptor (here with the script given as -m MODULE)."""
     require("megatron.core", "pip install 'portspeed[megatron]'")
     out = probe / "out"
-    res = _portspeed_run(["--nproc-per-node", "1", "-m", "probe", "--out", str(out)], cwd=probe, env=_env(probe))
+    res = _portspeed_run(["--nproc-per-node", "1", "-m", "probe", "--out", str(out)], cwd=probe, env=_pythonpath(probe))
     assert res.returncode == 0, res.stderr[-3000:]
     rec = json.loads((out / "rank0.json").read_text())
     assert "portspeed.megatron_adaptor" in rec["adaptors"]
@@ -118,19 +113,10 @@ def test_a_failing_worker_fails_the_launch(probe: Path) -> None:
     out = probe / "out"
     res = _portspeed_run(
         ["--nproc-per-node", "2", "--adaptor", "none", "probe.py", "--out", str(out), "--fail-on-rank1"],
-        cwd=probe, env=_env(),
+        cwd=probe,
     )
     assert res.returncode == 1
     assert "a worker failed" in res.stderr
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
 
 
 @pytest.mark.parametrize(

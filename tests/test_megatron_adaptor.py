@@ -15,7 +15,7 @@ from helpers.requires import require
 
 require("megatron.core", "pip install 'portspeed[megatron]'")
 
-from helpers.launch import run_python  # noqa: E402
+from helpers.launch import run_snippet  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -40,7 +40,7 @@ def _py(code: "str | list[str]", tmp_path) -> str:
                 s.bind(("127.0.0.1", 0))
                 return s.getsockname()[1]
     '''))
-    res = run_python(["-c", textwrap.dedent(code)], timeout=240, env={"PYTHONPATH": str(tmp_path)}).check()
+    res = run_snippet(code, timeout=240, env={"PYTHONPATH": str(tmp_path)}).check()
     return res.stdout + res.stderr
 
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers.launch import child_json
 from packaging.specifiers import SpecifierSet
 
 from portspeed.patches.megatron.ranges import MOE_TE_GEMM_UNBOUND
@@ -30,17 +27,14 @@ PROBE = textwrap.dedent(
     except NameError as exc:
         out["error"] = str(exc)
     out["status"] = next(p["status"] for p in portspeed.report() if p["name"] == "%s")
-    print("RESULT " + json.dumps(out))
+    print(json.dumps(out))
     """ % PATCH
 )
 
 
 def _probe(**env: str) -> dict:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("PORTSPEED_")}
-    full.update(PORTSPEED_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env)
-    res = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.split("RESULT ", 1)[1])
+    """The probe's result in a child without this run's PORTSPEED_* settings, on the CPU adapter (plus ``env``)."""
+    return child_json(PROBE, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu", **env}, drop=("PORTSPEED_*",))
 
 
 def test_router_gating_runs_without_transformer_engine_and_the_fix_is_gated() -> None:

@@ -7,14 +7,13 @@ throwaway module, so nothing leaks into other tests; the adaptor case runs in a 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from helpers.launch import child_json
 
 import portspeed
 from portspeed.cli import patches as patch_report
@@ -192,12 +191,7 @@ def test_default_imports_both_adaptors_without_frameworks() -> None:
         "print(json.dumps({'rc': rc, 'result': json.loads(buf.getvalue()),\n"
         "                  'frameworks': [m for m in ('megatron', 'deepspeed') if m in sys.modules]}))\n"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("PORTSPEED_DISABLE", "PORTSPEED_STRICT", "PORTSPEED_ACCELERATOR"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = child_json(code, timeout=180, drop=("PORTSPEED_DISABLE", "PORTSPEED_STRICT", "PORTSPEED_ACCELERATOR"))
     assert out["frameworks"] == []
     assert out["result"]["adaptors"] == {"portspeed.megatron_adaptor": "ok", "portspeed.deepspeed_adaptor": "ok"}
     from portspeed.patches.megatron import all_patches

@@ -1,7 +1,9 @@
 """Stock Megatron-LM ``pretrain_gpt.py``, unedited, trains on CPU/Gloo through `portspeed run`.
 
-Needs a Megatron-LM checkout (tag core_v0.16.1) in ``MEGATRON_LM_ROOT`` and the few packages
-its training code imports (six, regex, pyyaml); skipped otherwise, with the reason.
+Needs a Megatron-LM checkout (tag core_v0.16.1) in ``MEGATRON_LM_ROOT``; skipped otherwise,
+with the reason. The packages its training code imports are the set-up's to install
+(megatron-core: ``.[test]``/``.[megatron]``; six, regex, pyyaml: ``pip install -e '.[stock]'``,
+which ``make test-stock`` runs): missing, they fail the test, naming what to install.
 
 One indexed dataset is made with the checkout's own ``tools/preprocess_data.py``
 (NullTokenizer: no download), one TP1 process trains 3 iterations on it and saves a
@@ -24,8 +26,6 @@ finders against the installed megatron-core.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import logging
 import os
 import subprocess
@@ -34,6 +34,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.launch import child_json
+from helpers.requires import importable, require
+from helpers.stock import checkout_skip_reason, require_stock_packages
 
 from portspeed.parity.losslog import parse_megatron_log
 from portspeed.patches.megatron import _training_common, training_arguments, training_compile_helpers
@@ -46,8 +49,6 @@ DATASET = REPO / "examples" / "stock" / "make_indexed_dataset.sh"
 TOLERANCE = 1e-5  # absolute, per iteration, fp32
 ITERS = 10
 RUN_TIMEOUT = 600  # seconds per launch: a hang fails the test instead of hanging CI
-#: Megatron-LM's training code imports these at module level (not megatron-core's requirements)
-TRAINING_IMPORTS = {"six": "six", "regex": "regex", "yaml": "pyyaml"}
 
 #: name -> (processes, TP, PP); data parallelism is what is left
 LAYOUTS = {
@@ -58,35 +59,17 @@ LAYOUTS = {
 }
 
 
-def _importable(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
+#: a Megatron-LM checkout: what these tests run from MEGATRON_LM_ROOT
+CHECKOUT_FILES = ("megatron/training/__init__.py", "pretrain_gpt.py", "tools/preprocess_data.py")
+_NO_CHECKOUT = checkout_skip_reason(CHECKOUT_FILES)
+needs_checkout = pytest.mark.skipif(_NO_CHECKOUT is not None, reason=_NO_CHECKOUT or "")
 
 
-def _skip_reason() -> str | None:
-    root = os.environ.get("MEGATRON_LM_ROOT", "").strip()
-    if not root:
-        return "MEGATRON_LM_ROOT is not set; point it at a Megatron-LM checkout (tags core_v0.16.1 to core_v0.19.0)"
-    base = Path(root)
-    for needed in ("megatron/training/__init__.py", "pretrain_gpt.py", "tools/preprocess_data.py"):
-        if not (base / needed).is_file():
-            return f"MEGATRON_LM_ROOT={root} is not a Megatron-LM checkout: {needed} is missing"
-    if not _importable("megatron.core"):
-        return "megatron-core is not installed (pip install -e '.[megatron]')"
-    missing = [pkg for mod, pkg in TRAINING_IMPORTS.items() if not _importable(mod)]
-    if missing:
-        return f"Megatron-LM's training code imports packages that are not installed: pip install {' '.join(missing)}"
+def _require_stock() -> None:
+    """Fail, naming what to install or what is missing, when the checkout's runs cannot start."""
+    require_stock_packages()
     for script in (EXAMPLE, DATASET):
-        if not script.is_file():
-            return f"{script} is missing"
-    return None
-
-
-_REASON = _skip_reason()
-needs_checkout = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
-needs_megatron_core = pytest.mark.skipif(not _importable("megatron.core"), reason="megatron-core is not installed")
+        assert script.is_file(), f"{script} is missing from this repository"
 
 
 # ---------------------------------------------------------------------- without a checkout
@@ -120,19 +103,16 @@ FINDERS_PROBE = textwrap.dedent(
     calls = []
     ch.skip_build_when_prebuilt(lambda: calls.append("make"), None, (), {})
     out["make_called"] = bool(calls)
-    print("RESULT " + json.dumps(out))
+    print(json.dumps(out))
     """
 )
 
 
-@needs_megatron_core
-@pytest.mark.skipif(_importable("triton"), reason="triton is installed here, so Megatron's own module imports")
+@pytest.mark.skipif(importable("triton"), reason="triton is installed here, so Megatron's own module imports")
 def test_import_finders_answer_what_cannot_import_off_cuda() -> None:
     """Without triton the batch-invariant module is a stand-in that refuses the mode; helpers come from the wheel."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PORTSPEED_ACCELERATOR="cpu")
-    res = subprocess.run([sys.executable, "-c", FINDERS_PROBE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.split("RESULT ", 1)[1])
+    require("megatron.core", "pip install -e '.[megatron]'")
+    out = child_json(FINDERS_PROBE, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu"})
     assert out["without_finder"] == "triton", "the module imported without triton: the finder is not needed"
     assert out["standin"] is True and out["enabled"] is False
     assert "drop --batch-invariant-mode" in out["enable"]
@@ -157,7 +137,7 @@ def fresh_logs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "0")
 
 
-@pytest.mark.skipif(any(_importable(m) for m in ("apex", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda")),
+@pytest.mark.skipif(any(importable(m) for m in ("apex", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda")),
                     reason="a CUDA kernel module is installed here, so its option would not fall back")
 def test_cuda_kernel_defaults_fall_back_with_one_line_each(fresh_logs: None, caplog: pytest.LogCaptureFixture) -> None:
     """Megatron's default fusions are turned off after validation when their kernels are absent, one log line each."""
@@ -245,6 +225,7 @@ def _losses(text: str, name: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def stock(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Dataset, shared checkpoint, and the single-process TP1 baseline (built once for the module)."""
+    _require_stock()
     work = tmp_path_factory.mktemp("stock")
     _run(["bash", str(DATASET), str(work)], _env(1, 1, 1) | {"PYTHON": sys.executable}, work,
          work / "preprocess.log")
@@ -331,6 +312,7 @@ def test_data_iterator_build_leaves_the_shared_generator_alone() -> None:
 @needs_checkout
 def test_resume_from_checkpoint_continues_the_uninterrupted_run(tmp_path: Path) -> None:
     """TP2 with dropout: save at iteration 2, resume with --load; the losses equal an uninterrupted run's."""
+    _require_stock()
     env = _env(2, 2, 1) | {"ITERS": str(RESUME_ITERS)}
     common = ["--log-interval", str(RESUME_LOG_INTERVAL), "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     ckpt = tmp_path / "ckpt"

@@ -9,8 +9,8 @@ differently, on GPU too), with Megatron's defaults as a GPU user has them (inclu
 iteration (the log prints 1e-6); bf16 TP2 is compared with bf16 TP1 within 2e-3 (the
 bound the example trainer's measured 4.2e-4 bf16 TP2-vs-TP1 difference is held to).
 
-Needs ``MEGATRON_LM_ROOT`` (Megatron-LM at tag core_v0.16.1) and six/regex/pyyaml; skipped,
-with the reason, otherwise.
+Needs ``MEGATRON_LM_ROOT`` (Megatron-LM at tag core_v0.16.1; skipped, with the reason,
+without it) and six/regex/pyyaml (failing, naming them, without them: ``pip install -e '.[stock]'``).
 """
 
 from __future__ import annotations

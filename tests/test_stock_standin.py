@@ -5,7 +5,8 @@ lacks ReduceOp.AVG, which Megatron's distributed optimizer uses for its gradient
 reduce-scatter with ``--ddp-average-in-collective``. The router must rewrite that call
 inside real training (the log names the rewrite once), and the per-iteration losses must
 equal those of the same command on Gloo within 1e-5 (fp32). Needs a Megatron-LM checkout
-in ``MEGATRON_LM_ROOT`` (tag core_v0.16.1) and six/regex/pyyaml; skipped otherwise.
+in ``MEGATRON_LM_ROOT`` (tag core_v0.16.1; skipped otherwise) and six/regex/pyyaml (failing,
+naming them, without them: ``pip install -e '.[stock]'``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.requires import require
 
 import portspeed
 from portspeed.accelerator import scope as framework_modules
@@ -393,10 +393,9 @@ def test_type_string_helpers(cpu_adapter) -> None:
 
 # ---------------------------------------------------------------------- torch.compile
 @pytest.mark.megatron
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None and not os.environ.get("CI"),
-                    reason="needs megatron-core for the framework half (pip install 'portspeed[megatron]')")
 def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
     """Inductor on CPU compiles and runs with portspeed.megatron_adaptor imported; torch.cuda stays real outside."""
+    require("megatron.core", "pip install 'portspeed[megatron]'")  # the framework half
     code = textwrap.dedent('''
         import portspeed.megatron_adaptor
         import torch

@@ -1,1 +1,3 @@
-"""Test helpers shared by multi-process tests (import as ``from helpers.launch import ...``)."""
+"""Test helpers (import as ``from helpers.launch import ...``): ``launch`` starts child Pythons (a snippet,
+``child_json``, torchrun), ``requires`` imports what a test needs (``require``, ``importable``), ``stock`` runs
+stock Megatron-LM."""

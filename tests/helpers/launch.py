@@ -1,10 +1,17 @@
-"""Start real multi-rank jobs for tests: torchrun on 127.0.0.1, a free port, a hard time limit.
+"""Start child Pythons for tests: a snippet in a fresh interpreter, or torchrun on 127.0.0.1 with a free port.
 
-Every job runs with ``OMP_NUM_THREADS=1`` (the CI machine has 2 cores shared by many
-jobs) and ``PORTSPEED_TIMEOUT`` (collective/rendezvous timeout) unless the caller sets it,
-and is killed as a process group when ``timeout`` passes, so a hang fails the test
-instead of hanging CI.
+Every child runs with ``OMP_NUM_THREADS=1`` (the CI machine has 2 cores shared by many
+jobs), ``PYTHONWARNINGS=ignore``, ``PYTHONFAULTHANDLER=1`` and ``PORTSPEED_TIMEOUT``
+(collective/rendezvous timeout) unless the caller sets it, on top of this process's
+environment; ``drop`` leaves inherited variables out (a deliberately clean environment).
+It is killed as a process group when ``timeout`` passes, so a hang fails the test instead
+of hanging CI.
 
+    got = child_json('''
+        import json, portspeed
+        print(json.dumps({"n": len(portspeed.report())}))     # the last stdout line: JSON
+    ''', timeout=180, env={"PORTSPEED_ACCELERATOR": "cpu"})
+    res = run_snippet("import sys; sys.exit(3)", timeout=60)   # unchecked: look at res.returncode
     res = torchrun("examples/pretrain_gpt.py", nproc=2, args=["--tp", "2"], timeout=240)
     losses = parse_losses(res.stdout)     # {iteration: (lm_loss, grad_norm)}
 """
@@ -12,16 +19,19 @@ instead of hanging CI.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
+from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["REPO", "Result", "free_port", "parse_losses", "run_python", "torchrun"]
+__all__ = ["REPO", "Result", "child_json", "free_port", "parse_losses", "run_python", "run_snippet", "torchrun"]
 
 REPO = Path(__file__).resolve().parents[2]
 _LOSS = re.compile(r"iteration (\d+) \| lm loss: (\S+) \| grad norm: (\S+)")
@@ -45,6 +55,17 @@ class Result:
             )
         return self
 
+    def last_json(self) -> Any:
+        """The JSON value on the last non-empty stdout line (what a child prints last); fail showing the output."""
+        lines = self.stdout.strip().splitlines()
+        try:
+            return json.loads(lines[-1])
+        except (IndexError, ValueError):
+            raise AssertionError(
+                f"no JSON on the last stdout line of: {' '.join(self.cmd)}\n"
+                f"--- stdout (tail) ---\n{self.stdout[-2000:]}\n--- stderr (tail) ---\n{self.stderr[-4000:]}"
+            ) from None
+
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
@@ -53,21 +74,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
+def _env(extra: Mapping[str, str] | None, drop: Iterable[str] = ()) -> dict[str, str]:
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("PORTSPEED_TIMEOUT", "120")
     env["PYTHONWARNINGS"] = "ignore"
     env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that aborts leaves its Python stacks
+    patterns = tuple(drop)
+    for name in [n for n in env if any(fnmatchcase(n, p) for p in patterns)]:
+        del env[name]
     env.update(extra or {})
     return env
 
 
 def run_python(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
-               cwd: Path = REPO) -> Result:
-    """Run ``python args...`` in its own process group; kill the group at ``timeout``."""
+               cwd: Path = REPO, *, drop: Iterable[str] = ()) -> Result:
+    """Run ``python args...`` in its own process group; kill the group at ``timeout``.
+
+    The child gets this process's environment and the defaults above, minus the variables
+    matching a ``drop`` pattern (fnmatch: ``"PORTSPEED_*"``, or an exact name), plus ``env``.
+    """
     cmd = [sys.executable, *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(env, drop), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -78,6 +106,18 @@ def run_python(args: Sequence[str], timeout: float, env: Mapping[str, str] | Non
             f"timed out after {timeout}s (killed): {' '.join(cmd)}\n--- stderr (tail) ---\n{err[-3000:]}"
         ) from None
     return Result(proc.returncode, out, err, cmd)
+
+
+def run_snippet(code: str, *, timeout: float, env: Mapping[str, str] | None = None, cwd: Path = REPO,
+                drop: Iterable[str] = ()) -> Result:
+    """``python -c code`` (dedented) in a fresh interpreter, through ``run_python``; not checked."""
+    return run_python(["-c", textwrap.dedent(code)], timeout=timeout, env=env, cwd=cwd, drop=drop)
+
+
+def child_json(code: str, *, timeout: float, env: Mapping[str, str] | None = None, cwd: Path = REPO,
+               drop: Iterable[str] = ()) -> Any:
+    """Run the snippet (``run_snippet``), fail with the tail of stderr unless it exits 0, return its last-line JSON."""
+    return run_snippet(code, timeout=timeout, env=env, cwd=cwd, drop=drop).check().last_json()
 
 
 def torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout: float = 300,

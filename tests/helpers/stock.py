@@ -1,14 +1,15 @@
 """Running Megatron-LM's stock ``pretrain_gpt.py`` under `portspeed run` in tests.
 
-``SKIP_REASON`` is None when ``MEGATRON_LM_ROOT`` points at a Megatron-LM checkout and the
-packages its training code imports are installed; otherwise it says what is missing.
-``run_stock_gpt`` launches a tiny GPT with a GPU user's command line minus Transformer
-Engine and apex (Megatron's defaults, ``--distributed-backend nccl`` included).
+``SKIP_REASON`` is None when ``MEGATRON_LM_ROOT`` points at a Megatron-LM checkout, and
+otherwise says why not: the only reason a stock test skips. The packages Megatron-LM's
+training code imports are the set-up's to install (``pip install -e '.[stock]'``, which
+``make test-stock`` runs): ``require_stock_packages()`` fails a test, naming them, when one
+is missing. ``run_stock_gpt`` launches a tiny GPT with a GPU user's command line minus
+Transformer Engine and apex (Megatron's defaults, ``--distributed-backend nccl`` included).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,33 +18,51 @@ from pathlib import Path
 import pytest
 
 from helpers.launch import free_port
+from helpers.requires import importable
 
-__all__ = ["SKIP_REASON", "run_stock_gpt", "bad_rows"]
+__all__ = ["SKIP_REASON", "checkout_skip_reason", "require_stock_packages", "run_stock_gpt", "bad_rows"]
 
 RUN_TIMEOUT = 600  # seconds per launch: a hang fails the test instead of hanging CI
 
 
-def _skip_reason() -> str | None:
+#: module -> (distribution, how to install it): what Megatron-LM's training code imports
+STOCK_PACKAGES = {
+    "megatron.core": ("megatron-core", "pip install -e '.[megatron]'"),
+    "six": ("six", "pip install -e '.[stock]'"),
+    "regex": ("regex", "pip install -e '.[stock]'"),
+    "yaml": ("pyyaml", "pip install -e '.[stock]'"),
+}
+
+
+def checkout_skip_reason(needed: tuple[str, ...] = ("megatron/training/__init__.py",)) -> str | None:
+    """Why there is no Megatron-LM checkout (``MEGATRON_LM_ROOT`` unset, or ``needed`` missing); None if there is."""
     root = os.environ.get("MEGATRON_LM_ROOT", "").strip()
     if not root:
-        return "MEGATRON_LM_ROOT is not set; point it at a Megatron-LM checkout (tag core_v0.16.1)"
-    if not (Path(root) / "megatron" / "training" / "__init__.py").is_file():
-        return f"MEGATRON_LM_ROOT={root} has no megatron/training: not a Megatron-LM checkout"
-    for mod, pkg in (("six", "six"), ("regex", "regex"), ("yaml", "pyyaml"), ("megatron.core", "megatron-core")):
-        try:
-            found = importlib.util.find_spec(mod) is not None
-        except ImportError:
-            found = False
-        if not found:
-            return f"{pkg} is not installed (Megatron-LM's training code imports it): pip install -e '.[stock]'"
+        return "MEGATRON_LM_ROOT is not set; point it at a Megatron-LM checkout (tags core_v0.16.1 to core_v0.19.0)"
+    for path in needed:
+        if not (Path(root) / path).is_file():
+            return f"MEGATRON_LM_ROOT={root} is not a Megatron-LM checkout: {path} is missing"
     return None
 
 
-SKIP_REASON = _skip_reason()
+def require_stock_packages() -> None:
+    """Fail, naming what to install, when a package Megatron-LM's training code imports is missing."""
+    missing: dict[str, list[str]] = {}  # how to install -> distributions
+    for mod, (dist, how) in STOCK_PACKAGES.items():
+        if not importable(mod):
+            missing.setdefault(how, []).append(dist)
+    if missing:
+        pytest.fail("Megatron-LM's training code imports packages that are not installed: "
+                    + "; ".join(f"{', '.join(dists)} ({how})" for how, dists in missing.items())
+                    + "; make test-stock installs them", pytrace=False)
+
+
+SKIP_REASON = checkout_skip_reason()
 
 
 def run_stock_gpt(nproc: int, log: Path, *flags: str, num_layers: int = 2, accelerator: str = "cpu") -> str:
     """Train the tiny stock GPT on ``nproc`` local ranks; write the output to ``log`` and return it (exit 0 asserted)."""
+    require_stock_packages()
     root = os.environ["MEGATRON_LM_ROOT"]
     cmd = [sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), f"{root}/pretrain_gpt.py",
