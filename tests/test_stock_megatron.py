@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -205,10 +206,17 @@ def _helpers_from_wheel() -> bool:
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, log: Path) -> str:
+    """Run ``cmd`` into ``log`` in its own process group, killed as a whole (ranks too) at RUN_TIMEOUT."""
     with open(log, "w") as out:
-        res = subprocess.run(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"{' '.join(cmd)} hung for {RUN_TIMEOUT}s (killed); log {log}:\n{log.read_text()[-4000:]}")
     text = log.read_text()
-    assert res.returncode == 0, f"{' '.join(cmd)} exited {res.returncode}; log {log}:\n{text[-4000:]}"
+    assert rc == 0, f"{' '.join(cmd)} exited {rc}; log {log}:\n{text[-4000:]}"
     return text
 
 

@@ -11,13 +11,11 @@ Transformer Engine and apex (Megatron's defaults, ``--distributed-backend nccl``
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.launch import free_port
+from helpers.launch import free_port, run_python
 from helpers.requires import importable
 
 __all__ = ["SKIP_REASON", "checkout_skip_reason", "require_stock_packages", "run_stock_gpt", "bad_rows"]
@@ -64,7 +62,7 @@ def run_stock_gpt(nproc: int, log: Path, *flags: str, num_layers: int = 2, accel
     """Train the tiny stock GPT on ``nproc`` local ranks; write the output to ``log`` and return it (exit 0 asserted)."""
     require_stock_packages()
     root = os.environ["MEGATRON_LM_ROOT"]
-    cmd = [sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+    args = ["-m", "portspeed.cli", "run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), f"{root}/pretrain_gpt.py",
            "--transformer-impl", "local", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
            "--num-layers", str(num_layers), "--hidden-size", "64", "--num-attention-heads", "4",
@@ -74,14 +72,10 @@ def run_stock_gpt(nproc: int, log: Path, *flags: str, num_layers: int = 2, accel
            "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
            "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1",
            "--eval-iters", "0", "--num-workers", "0", *flags]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PORTSPEED_ACCELERATOR=accelerator,
-               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-    env.pop("PORTSPEED_BACKEND", None)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"stock run on {accelerator} hung for {RUN_TIMEOUT}s: {' '.join(cmd)}\n{exc.stdout}\n{exc.stderr}")
+    env = {"PORTSPEED_ACCELERATOR": accelerator,
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    # run_python kills the launcher's whole process group (the ranks too) when the time is up
+    proc = run_python(args, timeout=RUN_TIMEOUT, env=env, drop=("PORTSPEED_BACKEND",))
     text = proc.stdout + proc.stderr
     log.write_text(text)
     assert proc.returncode == 0, f"stock run on {accelerator} failed (exit {proc.returncode}); log {log}:\n{text[-4000:]}"
