@@ -13,6 +13,7 @@ __all__ = [
     "PatchStrictError",
     "UnsupportedCudaCallError",
     "CollectiveUnsupportedError",
+    "UnsupportedOptionError",
 ]
 
 
@@ -54,3 +55,7 @@ class UnsupportedCudaCallError(PortspeedError, AttributeError):
 
 class CollectiveUnsupportedError(PortspeedError):
     """A collective the active backend lacks and portspeed cannot rewrite."""
+
+
+class UnsupportedOptionError(PortspeedError, ValueError):
+    """A framework option needs machinery the active adapter lacks (a CUDA-only library or kernel); refused at start-up."""
