@@ -21,7 +21,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("portspeed.errors", "portspeed.config", "portspeed.versions", "portspeed.lazy"),
     "patching": ("portspeed.patching",),
     "device": ("portspeed.accelerator", "portspeed.comm", "portspeed.router"),
-    "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing"),
+    "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te"),
     "parity": ("portspeed.parity",),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
     "top": ("portspeed.cli", "portspeed.conformance"),

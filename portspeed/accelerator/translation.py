@@ -72,6 +72,7 @@ __all__ = [
     "is_framework_module",
     "names_cuda",
     "reload_prefixes",
+    "served_import",
     "torch_view",
     "translate_device",
 ]
@@ -149,9 +150,27 @@ def caller_is_framework(depth: int = 2) -> bool:
     return name is not None and (name.startswith(_hot_dotted) or name in _hot_exact)
 
 
+def served_import(name: str, globals: Any, fromlist: Any, level: int) -> Any:
+    """What a framework module gets for an import that found no module (None: the ImportError stands).
+
+    Nothing is served here. A declared patch may replace this function (the portable Transformer
+    Engine's, ``patches/megatron/core_portable_te.py``) to serve a module to chosen framework
+    importers only, without putting it in ``sys.modules``; it is asked only after the real import
+    failed with ModuleNotFoundError, so an installed package always wins and successful imports
+    pay nothing.
+    """
+    return None
+
+
 def _make_import(real_import: Callable[..., Any]) -> Callable[..., Any]:
     def scoped_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0) -> Any:
-        mod = real_import(name, globals, locals, fromlist, level)
+        try:
+            mod = real_import(name, globals, locals, fromlist, level)
+        except ModuleNotFoundError:
+            served = served_import(name, globals, fromlist, level)
+            if served is None:
+                raise
+            return served
         if level == 0 and name[:5] == "torch" and _enabled and (len(name) == 5 or name[5] == "."):
             if fromlist:
                 if name == "torch":

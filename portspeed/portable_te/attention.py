@@ -1,0 +1,135 @@
+"""``te.pytorch.DotProductAttention``: scaled dot-product attention on plain torch, as TE's unfused path.
+
+Why this shape: Megatron's ``TEDotProductAttention`` hands TE the query ``[sq, b, np, hn]`` and the
+key / value ``[sk, b, ng, hn]`` of this tensor-parallel rank (layout ``sbhd``; ``bshd`` is the
+same with the first two dimensions swapped), with ``ng`` key/value groups for grouped-query
+attention (``num_gqa_groups``), and expects ``[sq, b, np * hn]`` back. The computation is TE's
+unfused one and Megatron's local ``DotProductAttention``: scores ``q k^T * softmax_scale``
+(default ``1 / sqrt(kv_channels)``), masked positions set to -10000, softmax in fp32, dropout
+inside the RNG tracker's fork (outside it with sequence parallelism, as TE and Megatron do),
+then ``probs v``.
+
+Masks (``attn_mask_type``): ``causal`` (upper triangle; a mask passed along is not needed),
+``padding`` / ``arbitrary`` (the boolean ``attention_mask``, True = masked out), ``padding_causal``
+(both), ``no_mask``. Refused: packed sequences (``thd``, ``cu_seqlens``), context parallelism,
+sliding windows, non-vanilla softmax, attention bias, max-logit reporting, fp8 attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import torch
+
+from .base import PortableModule
+from .refuse import refuse, refuse_if
+
+__all__ = ["DotProductAttention", "attention_reference"]
+
+_MASK_TYPES = ("causal", "padding", "padding_causal", "no_mask", "arbitrary", "causal_bottom_right",
+               "padding_causal_bottom_right")
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float, dropout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """q ``[b, np, sq, hn]``, k / v ``[b, ng, sk, hn]``; mask broadcastable to ``[b, np, sq, sk]``, True = masked."""
+    np_, ng = q.shape[1], k.shape[1]
+    if np_ != ng:
+        k = k.repeat_interleave(np_ // ng, dim=1)
+        v = v.repeat_interleave(np_ // ng, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, -10000.0)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    if dropout is not None:
+        probs = dropout(probs)
+    return torch.matmul(probs, v)
+
+
+def _causal(sq: int, sk: int, device: torch.device, bottom_right: bool) -> torch.Tensor:
+    offset = sk - sq + 1 if bottom_right else 1
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal=offset)
+
+
+class DotProductAttention(PortableModule):
+    """See the module docstring."""
+
+    def __init__(self, num_attention_heads: int, kv_channels: int | tuple[int, int], num_gqa_groups: int | None = None,
+                 attention_dropout: float = 0.0, qkv_format: str = "sbhd", attn_mask_type: str = "causal",
+                 window_size: Any = None, sequence_parallel: bool = False, tp_size: int = 1,
+                 get_rng_state_tracker: Callable | None = None, tp_group: Any = None, layer_number: int | None = None,
+                 attention_type: str = "self", softmax_scale: float | None = None, **options: Any) -> None:
+        super().__init__()
+        for key in ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"):
+            refuse_if(options.pop(key, None) not in (None, "p2p"),
+                      "context parallelism in Transformer Engine attention (--context-parallel-size > 1)",
+                      "use --context-parallel-size 1")
+        refuse_if(window_size not in (None, (-1, -1), (-1, 0)), "sliding-window attention (--window-size)",
+                  "drop --window-size")
+        refuse_if(options.pop("softmax_type", "vanilla") != "vanilla", "softmax types other than vanilla (--softmax-type)",
+                  "use --softmax-type vanilla")
+        refuse_if(options.pop("return_max_logit", False), "max attention logits (--qk-clip, --log-max-attention-logit)",
+                  "drop --qk-clip / --log-max-attention-logit")
+        for key, value in options.items():
+            refuse_if(value is not None, f"the Transformer Engine attention option {key}={value!r}", f"do not pass {key}")
+        if qkv_format not in ("sbhd", "bshd"):
+            refuse(f"qkv_format={qkv_format!r} (packed sequences)", "use unpacked sbhd/bshd inputs")
+        if attn_mask_type not in _MASK_TYPES:
+            refuse(f"attn_mask_type={attn_mask_type!r}", f"use one of {', '.join(_MASK_TYPES)}")
+        tp = int(tp_size or 1)
+        self.num_attention_heads = num_attention_heads
+        self.num_gqa_groups = num_gqa_groups or num_attention_heads
+        if self.num_attention_heads % self.num_gqa_groups:
+            raise ValueError(f"num_attention_heads {num_attention_heads} is not a multiple of num_gqa_groups "
+                             f"{self.num_gqa_groups}")
+        self.heads_per_partition = num_attention_heads // tp
+        self.groups_per_partition = max(self.num_gqa_groups // tp, 1)
+        k_ch = kv_channels[0] if isinstance(kv_channels, tuple) else kv_channels
+        self.kv_channels = kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_ch)
+        self.qkv_format, self.attn_mask_type, self.attention_type = qkv_format, attn_mask_type, attention_type
+        self.layer_number, self.tp_group, self.sequence_parallel = layer_number, tp_group, sequence_parallel
+        self.attention_dropout = torch.nn.Dropout(attention_dropout)
+        self.get_rng_state_tracker = get_rng_state_tracker
+
+    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.attention_dropout.p == 0.0:
+            return probs
+        if self.sequence_parallel or self.get_rng_state_tracker is None:
+            return self.attention_dropout(probs)
+        with self.get_rng_state_tracker().fork():
+            return self.attention_dropout(probs)
+
+    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
+                attention_mask: torch.Tensor | tuple | None = None, qkv_format: str | None = None,
+                attn_mask_type: str | None = None, **options: Any) -> torch.Tensor:
+        refuse_if(options.pop("core_attention_bias_type", "no_bias") != "no_bias", "attention bias", "drop it")
+        refuse_if(options.pop("core_attention_bias", None) is not None, "attention bias", "drop it")
+        for key, value in options.items():
+            refuse_if(value is not None, f"packed-sequence / fp8 attention option {key}", "use unpacked inputs")
+        fmt = qkv_format or self.qkv_format
+        if fmt not in ("sbhd", "bshd"):
+            refuse(f"qkv_format={fmt!r} (packed sequences)", "use unpacked sbhd/bshd inputs")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if fmt == "sbhd":  # -> [b, h, s, d]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
+        else:
+            q, k, v = (t.permute(0, 2, 1, 3) for t in (query_layer, key_layer, value_layer))
+        sq, sk = q.shape[2], k.shape[2]
+        mask = None
+        if mask_type in ("padding", "padding_causal", "arbitrary", "padding_causal_bottom_right"):
+            if isinstance(attention_mask, tuple):
+                refuse_if(attention_mask[0] is not attention_mask[1], "separate query/key padding masks", "pass one")
+                attention_mask = attention_mask[0]
+            mask = attention_mask
+        if "causal" in mask_type:
+            causal = _causal(sq, sk, q.device, "bottom_right" in mask_type)
+            mask = causal if mask is None else (mask | causal)
+        out = attention_reference(q, k, v, mask, self.softmax_scale, self._dropout)  # [b, np, sq, hv]
+        if fmt == "sbhd":
+            out = out.permute(2, 0, 1, 3)
+        else:
+            out = out.permute(0, 2, 1, 3)
+        return out.reshape(out.shape[0], out.shape[1], -1)

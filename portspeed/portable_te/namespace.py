@@ -1,0 +1,147 @@
+"""The ``transformer_engine`` module tree the portable layers are served as (never put in sys.modules).
+
+Why a tree of plain module objects: Megatron imports ``transformer_engine``,
+``transformer_engine.pytorch`` (``as te``), ``transformer_engine.pytorch.fp8``,
+``transformer_engine.pytorch.distributed`` and ``transformer_engine.common.recipe``, and
+subclasses what it finds there. ``build(version)`` makes those modules, each marked
+``__portspeed_portable__`` and documented as portspeed's; a submodule not in the tree
+(``attention``, ``cpu_offload``, ``permutation``, ``cross_entropy``, ``cpp_extensions``,
+``router``, ``optimizers``, ...) is not served, so Megatron's own ``except ImportError``
+fallbacks run, as without Transformer Engine. ``te.pytorch.ops`` (the operation-fuser API) and
+the fp8 recipes exist only to refuse, naming the flag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import types
+from typing import Any, Iterator
+
+from . import attention, linear, norms, rng
+from .base import PortableModule
+from .refuse import refuse
+
+__all__ = ["build", "SERVED"]
+
+_DOC = "portspeed's portable Transformer Engine (plain torch operations), not NVIDIA's: {}"
+
+
+class FP8GlobalStateManager:
+    """fp8 is never on here."""
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return False
+
+    @classmethod
+    def is_fp8_calibration(cls) -> bool:
+        return False
+
+    @classmethod
+    def is_first_fp8_module(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_fp8_recipe(cls) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = False, *args: Any, **kwargs: Any) -> Iterator[None]:
+    """A no-op when fp8 is off; refused when on."""
+    if enabled:
+        refuse("fp8 training (--fp8-format)", "drop --fp8-format")
+    yield
+
+
+@contextlib.contextmanager
+def fp8_model_init(enabled: bool = False, *args: Any, **kwargs: Any) -> Iterator[None]:
+    """A no-op when fp8 parameters are off; refused when on."""
+    if enabled:
+        refuse("fp8 parameters (--fp8-param-gather)", "drop --fp8-param-gather")
+    yield
+
+
+class Format(enum.Enum):
+    """The fp8 formats' names (Megatron reads them only to build recipes, which are refused)."""
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+
+class _Recipe:
+    _flag = "--fp8-recipe"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse(f"the fp8 / fp4 recipe {type(self).__name__} ({self._flag})", "drop --fp8-format / --fp4-format")
+
+
+class DelayedScaling(_Recipe):
+    """Refused: fp8."""
+
+
+class GroupedLinear(PortableModule):
+    """Refused for now: the MoE grouped GEMM (TEGroupedMLP)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse("the Transformer Engine grouped linear layer for MoE experts (--moe-grouped-gemm)",
+               "drop --moe-grouped-gemm (the experts then run as portable TE linears in a SequentialMLP)")
+
+
+class _Op:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse(f"Transformer Engine's operation API te.pytorch.ops.{type(self).__name__} (--use-te-activation-func, "
+               "--use-transformer-engine-op-fuser)", "drop those flags")
+
+
+def _ops_getattr(name: str) -> Any:
+    """Any te.pytorch.ops name is a class (Megatron names some in annotations) that refuses when built."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return type(name, (_Op,), {"__doc__": "Refused: the operation API."})
+
+
+def _recipe_getattr(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return type(name, (_Recipe,), {"__doc__": "Refused: fp8 / fp4."})
+
+
+def _module(name: str, what: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name, _DOC.format(what))
+    mod.__dict__.update(attrs)
+    mod.__portspeed_portable__ = True
+    return mod
+
+
+#: the served module names (relative to ``transformer_engine``); anything else raises ImportError
+SERVED = ("", "pytorch", "pytorch.fp8", "pytorch.distributed", "pytorch.ops", "common", "common.recipe")
+
+
+def build(version: str) -> dict[str, types.ModuleType]:
+    """Full name -> module for every served ``transformer_engine`` module, reporting ``version``."""
+    fp8 = _module("transformer_engine.pytorch.fp8", "fp8 state (always off)", FP8GlobalStateManager=FP8GlobalStateManager,
+                  fp8_autocast=fp8_autocast, fp8_model_init=fp8_model_init)
+    distributed = _module("transformer_engine.pytorch.distributed", "RNG tracker and activation recompute",
+                          CudaRNGStatesTracker=rng.CudaRNGStatesTracker, checkpoint=rng.checkpoint)
+    ops = _module("transformer_engine.pytorch.ops", "the operation API (refused)")
+    ops.__getattr__ = _ops_getattr  # type: ignore[attr-defined]
+    pytorch = _module("transformer_engine.pytorch", "the layers", Linear=linear.Linear,
+                      LayerNormLinear=linear.LayerNormLinear, LayerNorm=norms.LayerNorm, RMSNorm=norms.RMSNorm,
+                      DotProductAttention=attention.DotProductAttention, GroupedLinear=GroupedLinear,
+                      fp8=fp8, distributed=distributed, ops=ops, fp8_autocast=fp8_autocast,
+                      fp8_model_init=fp8_model_init, checkpoint=rng.checkpoint)
+    recipe = _module("transformer_engine.common.recipe", "fp8 recipes (refused)", DelayedScaling=DelayedScaling,
+                     Format=Format)
+    recipe.__getattr__ = _recipe_getattr  # type: ignore[attr-defined]
+    common = _module("transformer_engine.common", "common", recipe=recipe)
+    top = _module("transformer_engine", "the package", pytorch=pytorch, common=common, __version__=version)
+    tree = {"transformer_engine": top}
+    for rel in SERVED[1:]:
+        obj: Any = top
+        for part in rel.split("."):
+            obj = getattr(obj, part)
+        tree[f"transformer_engine.{rel}"] = obj
+    return tree
