@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
 
 def load_weights(args: argparse.Namespace, model: list) -> None:
     """Weights only, from pretrain_gpt.py's torch_dist layout (the optimizer state is not needed)."""
-    state = dist_checkpointing.load(pretrain_gpt.sharded_state(model, None, 0, False, loading=True), args.load)
+    state = dist_checkpointing.load(pretrain_gpt.sharded_state(model, None, 0, False, loading=True), str(args.load_dir))
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(state["model" if len(model) == 1 else f"model{i}"])
 

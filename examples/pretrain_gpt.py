@@ -51,6 +51,8 @@ from portspeed import get_accelerator
 import portspeed.comm as ps_comm
 from portspeed.megatron_adaptor import open_loss_log
 
+from gpt_checkpoint import load_checkpoint, resume_point, save_checkpoint, sharded_state  # noqa: F401 (generate_gpt)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command line; layout checks that argparse cannot express are in ``check_args``."""
@@ -76,7 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--overlap-param-gather", action="store_true")
     p.add_argument("--save", default=None, help="torch_dist checkpoint directory written after the last iteration")
-    p.add_argument("--load", default=None, help="torch_dist checkpoint directory to start from")
+    p.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="with --save: also save every N iterations, as SAVE/iter_N + tracker (Megatron-LM's layout)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --save: continue from the checkpoint SAVE's tracker names, if any (restarts)")
+    p.add_argument("--load", default=None,
+                   help="torch_dist checkpoint directory to start from (or a --save directory with a tracker)")
+    p.add_argument("--train-iters", type=int, default=None, metavar="N",
+                   help="train up to iteration N (instead of --iters more), so a resumed run ends where planned")
     p.add_argument("--finetune", action="store_true", help="with --load: weights only, start at iteration 0")
     p.add_argument("--loss-log", default=None, help="JSON loss record (default: PORTSPEED_LOSS_LOG)")
     p.add_argument("--print-step-time", action="store_true",
@@ -86,7 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="free each stage's output after sending it, as Megatron-LM's training loop does")
     p.add_argument("--batch-p2p-comm", action="store_true",
                    help="force batched p2p even with --vpp (with --pp 2 Megatron mismatches messages; for tests)")
-    p.add_argument("--fail-at", default=None, metavar="RANK:ITER", help="fault injection: RANK exits at ITER")
+    p.add_argument("--fail-at", default=None, metavar="RANK:ITER[:save]",
+                   help="fault injection: RANK exits at ITER (':save': while writing checkpoint ITER); "
+                        "only in the first attempt of a restarted group (TORCHELASTIC_RESTART_COUNT=0)")
     p.add_argument("--average-in-collective", action="store_true",
                    help="DDP averages gradients in the collective (ReduceOp.AVG) instead of pre-scaling + SUM")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
@@ -107,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace, world: int) -> None:
     """Reject layouts that cannot work, naming the flag and the fix."""
     def fail(msg: str) -> None:
-        raise SystemExit(f"pretrain_gpt.py: {msg}")
+        print(f"pretrain_gpt.py: {msg}", file=sys.stderr)
+        raise SystemExit(2)  # a usage error, as argparse's
 
     if world % (args.tp * args.pp):
         fail(f"world size {world} is not divisible by --tp {args.tp} x --pp {args.pp}")
@@ -142,13 +154,25 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     if args.plant_divergence is not None and not 0 <= args.plant_layer < args.num_layers:
         fail(f"--plant-layer {args.plant_layer} must be a decoder layer index in 0..{args.num_layers - 1}")
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if (args.save_interval is not None or args.resume) and not args.save:
+        fail("--save-interval and --resume need --save DIR")
+    if args.save_interval is not None and args.save_interval < 1:
+        fail(f"--save-interval {args.save_interval} must be at least 1")
     args.fail_rank = args.fail_iter = None
+    args.fail_save = False
     if args.fail_at:
+        parts = args.fail_at.split(":")
         try:
-            r, i = args.fail_at.split(":")
-            args.fail_rank, args.fail_iter = int(r), int(i)
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "save"):
+                raise ValueError
+            args.fail_rank, args.fail_iter, args.fail_save = int(parts[0]), int(parts[1]), len(parts) == 3
         except ValueError:
-            fail(f"--fail-at {args.fail_at!r} must be RANK:ITER, e.g. 1:3")
+            fail(f"--fail-at {args.fail_at!r} must be RANK:ITER or RANK:ITER:save, e.g. 1:3")
+        if not 0 <= args.fail_rank < world:
+            fail(f"--fail-at {args.fail_at!r}: rank {args.fail_rank} is not in 0..{world - 1}")
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            args.fail_rank = None  # it died once already: a restarted group runs clean
+    resume_point(args)
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -244,46 +268,6 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module) -> tuple[torch
     return out, functools.partial(loss_func, batch["loss_mask"])
 
 
-def sharded_state(model: list, optimizer: Any, iteration: int, with_optimizer: bool, loading: bool) -> dict:
-    sd: dict[str, Any] = {"iteration": iteration}
-    model_sd: dict[str, Any] = {}
-    for i, chunk in enumerate(model):
-        key = "model" if len(model) == 1 else f"model{i}"
-        model_sd[key] = chunk.module.sharded_state_dict()
-    sd.update(model_sd)
-    if with_optimizer:
-        flat = {}
-        for v in model_sd.values():
-            flat.update(v)
-        sd["optimizer"] = optimizer.sharded_state_dict(model_sd if len(model) > 1 else model_sd["model"],
-                                                       is_loading=loading)
-    return sd
-
-
-def load_checkpoint(args: argparse.Namespace, model: list, optimizer: Any) -> int:
-    """Load --load; returns the iteration to continue from (0 with --finetune)."""
-    with_opt = not args.finetune
-    sd = sharded_state(model, optimizer, 0, with_opt, loading=True)
-    state = dist_checkpointing.load(sd, args.load)
-    for i, chunk in enumerate(model):
-        chunk.module.load_state_dict(state["model" if len(model) == 1 else f"model{i}"])
-    if with_opt:
-        optimizer.load_state_dict(state["optimizer"])
-        return int(state["iteration"])
-    # weights only: the optimizer's fp32 main copies (bf16) still hold the initial weights
-    # (as Megatron-LM does after a --finetune load)
-    optimizer.reload_model_params()
-    return 0
-
-
-def save_checkpoint(args: argparse.Namespace, model: list, optimizer: Any, iteration: int) -> None:
-    for chunk in model:
-        if args.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
-    os.makedirs(args.save, exist_ok=True)
-    dist_checkpointing.save(sharded_state(model, optimizer, iteration, True, loading=False), args.save)
-
-
 def setup(args: argparse.Namespace) -> tuple[list, Any, TransformerConfig, int]:
     """Process groups, model chunks, optimizer, schedule hooks, and the checkpoint if any."""
     init_distributed(args)
@@ -299,7 +283,7 @@ def setup(args: argparse.Namespace) -> tuple[list, Any, TransformerConfig, int]:
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     if args.overlap_param_gather:
         config.param_sync_func = [m.start_param_sync for m in model] if len(model) > 1 else model[0].start_param_sync
-    start = load_checkpoint(args, model, optimizer) if args.load else 0
+    start = load_checkpoint(args, model, optimizer) if args.load_dir else 0
     return model, optimizer, config, start
 
 
@@ -343,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         writer = open_loss_log(args.loss_log, layout, "bf16" if args.bf16 else "fp32",
                                backend=dist.get_backend())
     rank = dist.get_rank()
-    for it in range(start + 1, start + args.iters + 1):
-        if args.fail_rank == rank and args.fail_iter == it:
+    end = args.train_iters if args.train_iters is not None else start + args.iters
+    for it in range(start + 1, end + 1):
+        if args.fail_rank == rank and args.fail_iter == it and not args.fail_save:
             print(f"rank {rank}: --fail-at {args.fail_at}: exiting on purpose", file=sys.stderr, flush=True)
             os._exit(17)
         if args.plant_divergence is not None:
@@ -363,12 +348,14 @@ def main(argv: list[str] | None = None) -> int:
                 writer.record.meta["router_rewrites"] = ps_comm.stats()
                 writer.record.meta["real_backend"] = ps_comm.real_backend()
                 writer.add(it, loss, gn, skipped=not ok)
+        if args.save_interval and it % args.save_interval == 0 and it != end:
+            save_checkpoint(args, model, optimizer, it)
     if recorder is not None:
         recorder.close()
     if report:
         print(f"router rewrites: {json.dumps(ps_comm.stats(), sort_keys=True)}", flush=True)
     if args.save:
-        save_checkpoint(args, model, optimizer, start + args.iters)
+        save_checkpoint(args, model, optimizer, end)
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()

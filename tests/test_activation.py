@@ -147,7 +147,8 @@ def test_bad_environment_fails_at_the_adaptor_import(tmp_path: Path) -> None:
 
 
 def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
-    """An unknown adapter name fails the framework's import with the adapter message; activate() retries it."""
+    """A known adapter whose vendor package is missing fails the framework's import (the device tier of the
+    checks runs at activation; an unknown name is refused at the adaptor's import already); activate() retries it."""
     got = child_json('''
         import json, os
         import portspeed.megatron_adaptor as ad
@@ -169,8 +170,8 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
         from portspeed.accelerator import translation
         print(json.dumps({"first": first, "waiting_after": waiting_after,
                           "then": fw_pkg.torch is translation.torch_view()}))
-    ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_ACCELERATOR="tpu"))
-    assert got["first"].startswith("UnknownAcceleratorError") and "'tpu'" in got["first"], got["first"]
+    ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_ACCELERATOR="npu"))
+    assert got["first"].startswith("MissingVendorPackageError") and "'torch-npu'" in got["first"], got["first"]
     assert got["waiting_after"] == []
     assert got["then"] is True
 

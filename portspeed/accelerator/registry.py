@@ -19,9 +19,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as _metadata
 import sys
+from typing import TYPE_CHECKING
 
-from portspeed.accelerator.contract import Accelerator
 from portspeed.errors import UnknownAcceleratorError
+
+if TYPE_CHECKING:  # the contract (and torch with it) loads only when an adapter class is asked for
+    from portspeed.accelerator.contract import Accelerator
 
 __all__ = ["BUILTIN_ADAPTERS", "DETECTION_ORDER", "ENTRY_POINT_GROUP", "adapter_class", "available_adapters",
            "entry_point_adapters", "forget_entry_points"]
@@ -79,6 +82,8 @@ def available_adapters() -> list[str]:
 
 def adapter_class(name: str) -> type[Accelerator]:
     """The adapter class registered under ``name`` (built-in or entry point)."""
+    from portspeed.accelerator.contract import Accelerator
+
     if name in BUILTIN_ADAPTERS:
         modname, _, clsname = BUILTIN_ADAPTERS[name].partition(":")
         cls = getattr(importlib.import_module(modname), clsname)

@@ -30,6 +30,7 @@ import importlib.util
 import os
 import sys
 
+from portspeed.cli import failures
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 
@@ -135,6 +136,41 @@ def _validate(args: argparse.Namespace) -> None:
         )
 
 
+#: the script flags that fix tensor / pipeline / context parallel sizes (Megatron-LM's and the example trainer's)
+_LAYOUT_FLAGS = {"--tensor-model-parallel-size": "tp", "--tp": "tp", "--pipeline-model-parallel-size": "pp",
+                 "--pp": "pp", "--context-parallel-size": "cp"}
+
+
+def _script_layout(script_args: list[str]) -> dict[str, int]:
+    """TP / PP / CP sizes named on the script's command line (absent: 1); a non-integer is the script's to refuse."""
+    found: dict[str, int] = {}
+    for i, a in enumerate(script_args):
+        flag, eq, value = a.partition("=")
+        if flag in _LAYOUT_FLAGS:
+            raw = value if eq else (script_args[i + 1] if i + 1 < len(script_args) else "")
+            if raw.strip().isdigit():
+                found[_LAYOUT_FLAGS[flag]] = int(raw)
+    return found
+
+
+def _preflight(args: argparse.Namespace, adaptor_module: str | None) -> None:
+    """Before any worker starts: settings by name and value, the device and the layout (see accelerator.preflight)."""
+    from portspeed.accelerator import preflight
+
+    preflight.check_settings()
+    if adaptor_module is None:
+        return
+    nproc = str(args.nproc_per_node).strip()
+    lo, _, hi = str(args.nnodes).strip().partition(":")
+    nnodes = lo if (not hi or hi == lo) else ""  # an elastic range (MIN:MAX) fixes no world size
+    if nproc.isdigit():
+        preflight.check_device(int(nproc))
+        if nnodes.isdigit():
+            layout = _script_layout(list(args.training_script_args))
+            preflight.check_layout(int(nnodes) * int(nproc), layout.get("tp", 1), layout.get("pp", 1),
+                                   layout.get("cp", 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``portspeed run``; returns the exit status (0, 1 worker failure, 2 usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -148,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         _validate(args)
         if adaptor_module is not None:
             _check_adaptor_importable(adaptor_module)
-    except LaunchError as exc:
+        _preflight(args, adaptor_module)
+    except PortspeedError as exc:  # LaunchError, and bad PORTSPEED_* settings, devices or layouts
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
     worker_command(args, adaptor_module)
@@ -156,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        print(f"portspeed run: a worker failed:\n{exc.format_msg()}", file=sys.stderr)
-        return 1
+    with failures.watch_failures() as seen:
+        try:
+            run(args)
+        except ChildFailedError as exc:
+            print(f"portspeed run: a worker failed:\n{exc.format_msg()}", file=sys.stderr)
+            print(failures.summary_line(seen, ok=False), file=sys.stderr, flush=True)
+            return 1
+    if seen:  # restarted and then finished: say who died
+        print(failures.summary_line(seen, ok=True), file=sys.stderr, flush=True)
     return 0
 
 

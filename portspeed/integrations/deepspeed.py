@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from portspeed import config
 
 from portspeed.integrations import activation
+from portspeed.accelerator import preflight
 from portspeed.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ def activate() -> None:
     import portspeed
 
     activation.cancel(ADAPTOR)
+    preflight.check_device()  # vendor package, this rank's device: before anything is applied
     mgr = portspeed.manager()
     mgr.register(deepspeed_patches())
     mgr.apply()
@@ -141,5 +143,5 @@ def _deepspeed_prefixes() -> tuple[str, ...]:
 
 
 # A bad PORTSPEED_* value fails here, at the import, not at DeepSpeed's.
-config.settings()
+preflight.check_settings()
 activation.defer(ADAPTOR, _deepspeed_prefixes, activate)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from portspeed import config
 
 from portspeed.integrations import activation
+from portspeed.accelerator import preflight
 
 from portspeed.accelerator import scope as framework_modules
 from portspeed.lazy import lazy_exports
@@ -91,6 +92,7 @@ def activate() -> None:
 
     activation.cancel(ADAPTOR)
     _ensure_log_output()
+    preflight.check_device()  # vendor package, this rank's device: before anything is applied
     translation.enable()
     mgr = portspeed.manager()
     mgr.register(megatron_patches())
@@ -138,5 +140,5 @@ def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend:
 
 # A bad PORTSPEED_* value fails here, at the import, not at Megatron's (and a bad
 # PORTSPEED_FRAMEWORK_MODULES too: defer() reads the prefixes at once).
-config.settings()
+preflight.check_settings()
 activation.defer(ADAPTOR, framework_modules.framework_prefixes, activate)

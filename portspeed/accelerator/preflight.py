@@ -1,0 +1,145 @@
+"""Checks that refuse a bad PORTSPEED_* setting before anything starts, in two tiers by what they cost.
+
+Why: a typo in ``PORTSPEED_ACCELERATOR`` used to surface only at Megatron's first import,
+as a traceback from deep inside, and ``portspeed run`` started every worker before each
+one failed the same way. Each check here raises a portspeed exception whose one-line
+message names the variable (or option), the bad value and what is accepted.
+
+- ``check_settings()`` (names and values; no adapter module, no vendor runtime, no device):
+  every ``PORTSPEED_*`` variable parses (``portspeed.config``), a misspelt variable name
+  close to a real one is refused, the accelerator is a built-in or entry-point adapter name
+  (read from package metadata only), the backend is one portspeed or torch knows or one an
+  entry-point adapter declares, and the framework module prefixes are module names. Run by
+  ``import portspeed.megatron_adaptor`` / ``deepspeed_adaptor`` and by ``portspeed run``.
+- ``check_device(ranks_on_node)`` (needs the device runtime): the adapter's vendor package
+  imports, and a node's ranks fit its device count (host adapters share the host: any count).
+  Run by the adaptors' activation (for this rank's ``LOCAL_RANK``) and by ``portspeed run``
+  before it spawns (for ``--nproc-per-node``).
+- ``check_layout(world, tp, pp)``: the world size is a multiple of TP x PP (``portspeed run``
+  reads them from the script's own flags before it spawns).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Mapping
+
+from portspeed import config
+from portspeed.accelerator import registry, scope
+from portspeed.errors import ConfigError, UnknownAcceleratorError, UnknownBackendError
+
+__all__ = ["SETTINGS", "check_settings", "check_device", "check_layout"]
+
+#: every PORTSPEED_* variable a user sets (internal ones portspeed sets itself are in _INTERNAL_PREFIXES)
+SETTINGS: tuple[str, ...] = (
+    "PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTSPEED_DISABLE",
+    "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT", "PORTSPEED_LOSS_LOG", scope.FRAMEWORK_ENV,
+)
+#: variables set by portspeed for its own processes (`portspeed run` workers, the test device's build)
+_INTERNAL_PREFIXES = ("PORTSPEED_RUN_", "PORTSPEED_TESTDEV_")
+
+
+def _check_variable_names(env: Mapping[str, str]) -> None:
+    """A variable that is not a setting but is spelt like one (PORTSPEED_ACCELERATER) is a typo: refuse it."""
+    for name in sorted(env):
+        if not name.startswith("PORTSPEED_") or name in SETTINGS or name.startswith(_INTERNAL_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=0.85)
+        if close:
+            raise ConfigError(f"{name}={env[name]!r} is not a portspeed setting; did you mean {close[0]}? "
+                              f"(settings: {', '.join(SETTINGS)})")
+
+
+def _entry_point_backends() -> set[str]:
+    """Backends declared by entry-point adapters (their classes load; their vendor runtimes do not)."""
+    found = set()
+    for name in registry.entry_point_adapters():
+        try:
+            cls = registry.adapter_class(name)
+        except Exception:  # a broken third-party adapter is reported when it is selected, not here
+            continue
+        if cls.backend:
+            found.add(cls.backend.lower())
+    return found
+
+
+def _check_backend(backend: str) -> None:
+    from portspeed.comm.capabilities import check_backend_name
+
+    try:
+        check_backend_name(backend)
+        return
+    except UnknownBackendError as exc:
+        declared = _entry_point_backends()
+        if backend in declared:
+            return
+        from portspeed.comm.capabilities import KNOWN_BACKENDS
+
+        accepted = sorted(set(KNOWN_BACKENDS) | declared)
+        raise UnknownBackendError(
+            f"PORTSPEED_BACKEND={backend!r} is not a known collective backend; accepted: {', '.join(accepted)} "
+            "(or a backend registered with torch.distributed.Backend.register_backend)") from exc
+
+
+def check_settings(env: Mapping[str, str] | None = None) -> config.Settings:
+    """Validate every PORTSPEED_* setting by name and value (cheap: nothing device-side loads); return them.
+
+    ``env`` defaults to ``os.environ`` (then the cached settings are re-read).
+    """
+    real = env is None
+    env = os.environ if env is None else env
+    settings = config.reload() if real else config.Settings.from_env(env)
+    _check_variable_names(env)
+    if settings.accelerator is not None:
+        known = registry.available_adapters()
+        if settings.accelerator not in known:
+            raise UnknownAcceleratorError(
+                f"PORTSPEED_ACCELERATOR={settings.accelerator!r} is not an adapter; accepted: {', '.join(known)} "
+                f"(third-party adapters register in the entry-point group {registry.ENTRY_POINT_GROUP!r}; "
+                "unset it to auto-detect)")
+    if settings.backend is not None:
+        _check_backend(settings.backend)
+    raw = env.get(scope.FRAMEWORK_ENV, "").strip()
+    bad = [n.strip() for n in raw.split(",") if n.strip() and not scope.valid_prefix(n.strip())]
+    if bad:
+        raise ConfigError(f"{scope.FRAMEWORK_ENV} has invalid module names {bad} (value {raw!r}); accepted: comma-separated "
+                          "importable module prefixes other than torch, e.g. 'megatron,my_project.models'")
+    return settings
+
+
+def check_device(ranks_on_node: int | None = None) -> None:
+    """Load the selected adapter's vendor runtime and check that this node's ranks have devices.
+
+    ``ranks_on_node`` defaults to this process's ``LOCAL_RANK`` + 1 (activation in a worker).
+    Raises MissingVendorPackageError or ConfigError naming what to change.
+    """
+    from portspeed.accelerator.selection import get_accelerator
+
+    acc = get_accelerator()  # loads the vendor package, or raises naming it
+    if acc.device_is_host:
+        return
+    local = os.environ.get("LOCAL_RANK")
+    if ranks_on_node is None:
+        if local is None or not local.strip().isdigit():
+            return
+        ranks_on_node = int(local) + 1
+    count = int(acc.device_count())
+    if ranks_on_node > count:
+        where = (f"LOCAL_RANK={local} needs device index {int(local)}" if local is not None and ranks_on_node ==
+                 int(local) + 1 else f"{ranks_on_node} ranks on this node need {ranks_on_node} devices")
+        raise ConfigError(
+            f"PORTSPEED_ACCELERATOR={acc.name!r}: {where}, but the adapter sees {count} device(s); "
+            f"start at most {count} ranks per node (--nproc-per-node {count})")
+
+
+def check_layout(world: int, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+    """Refuse a world size that TP x PP (x CP) does not divide, naming the flags."""
+    for flag, v in (("tensor-parallel size", tp), ("pipeline-parallel size", pp), ("context-parallel size", cp)):
+        if v < 1:
+            raise ConfigError(f"{flag} {v} must be at least 1")
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world} (nodes x --nproc-per-node) is not divisible by tensor-parallel {tp} x "
+            f"pipeline-parallel {pp}{f' x context-parallel {cp}' if cp > 1 else ''} = {tp * pp * cp}; "
+            "change the layout or the number of ranks")

@@ -1,0 +1,350 @@
+"""One table of bad inputs: each is refused with one message naming what was wrong, the right exit code, nothing half-done.
+
+Rows cover PORTSPEED_* settings (at the adaptor's import and in `portspeed run` before any
+worker starts), `portspeed run` command lines, files for `portspeed compare`, patch
+declarations, and checkpoint directories (missing, truncated, foreign) for portspeed's
+checkpoint reader, the example trainer and the example generator. "Nothing half-done":
+no worker started (torchrun's launcher is never reached), no report file written, no patch
+registered, no checkpoint directory created.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import pytest
+import torch
+
+from helpers.launch import REPO, run_python, run_snippet
+
+from portspeed.accelerator import preflight
+from portspeed.cli import run as launch
+from portspeed.errors import (ConfigError, PatchConflictError, PatchDefinitionError,
+                              PortspeedError, UnknownAcceleratorError, UnknownBackendError)
+from portspeed.parity import checkpoints
+from portspeed.parity import compare as compare_cli
+from portspeed.patching.manager import PatchManager
+from portspeed.patching.record import Patch
+
+pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py
+TIMEOUT = 180
+
+# ------------------------------------------------------------------ settings
+#: (environment, exception type, words the one-line message must hold)
+SETTINGS = [
+    ({"PORTSPEED_ACCELERATOR": "tpu"}, UnknownAcceleratorError, ["PORTSPEED_ACCELERATOR='tpu'", "accepted: cpu"]),
+    ({"PORTSPEED_ACCELERATOR": "cuda:0"}, ConfigError, ["PORTSPEED_ACCELERATOR='cuda:0'", "adapter name"]),
+    ({"PORTSPEED_BACKEND": "fooccl"}, UnknownBackendError, ["PORTSPEED_BACKEND='fooccl'", "accepted:", "gloo"]),
+    ({"PORTSPEED_BACKEND": "nccl,gloo"}, ConfigError, ["PORTSPEED_BACKEND='nccl,gloo'", "one name"]),
+    ({"PORTSPEED_STRICT": "maybe"}, ConfigError, ["PORTSPEED_STRICT='maybe'", "1/0, true/false"]),
+    ({"PORTSPEED_DISABLE": "ok.name, bad name"}, ConfigError, ["PORTSPEED_DISABLE", "'bad name'"]),
+    ({"PORTSPEED_LOG_LEVEL": "LOUD"}, ConfigError, ["PORTSPEED_LOG_LEVEL='LOUD'", "DEBUG, INFO"]),
+    ({"PORTSPEED_TIMEOUT": "-5"}, ConfigError, ["PORTSPEED_TIMEOUT='-5'", "positive number of seconds"]),
+    ({"PORTSPEED_TIMEOUT": "soon"}, ConfigError, ["PORTSPEED_TIMEOUT='soon'", "positive number of seconds"]),
+    ({"PORTSPEED_FRAMEWORK_MODULES": "torch"}, ConfigError, ["PORTSPEED_FRAMEWORK_MODULES", "['torch']"]),
+    ({"PORTSPEED_FRAMEWORK_MODULES": "bad name!"}, ConfigError, ["PORTSPEED_FRAMEWORK_MODULES", "'bad name!'"]),
+    ({"PORTSPEED_ACCELERATER": "cpu"}, ConfigError, ["PORTSPEED_ACCELERATER", "did you mean PORTSPEED_ACCELERATOR"]),
+    ({"PORTSPEED_STIRCT": "1"}, ConfigError, ["PORTSPEED_STIRCT", "did you mean PORTSPEED_STRICT"]),
+]
+
+
+def _ids(rows: list) -> list[str]:
+    return [" ".join(f"{k}={v}" for k, v in r[0].items()) for r in rows]
+
+
+@pytest.mark.parametrize("env,exc_type,words", SETTINGS, ids=_ids(SETTINGS))
+def test_setting_refused_by_name_and_value(env: dict, exc_type: type, words: list[str]) -> None:
+    """The import-time check (what `import portspeed.megatron_adaptor` runs) raises a portspeed error, one line."""
+    with pytest.raises(exc_type) as got:
+        preflight.check_settings(env)
+    msg = str(got.value)
+    assert isinstance(got.value, PortspeedError) and "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+@pytest.fixture()
+def no_spawn(monkeypatch: pytest.MonkeyPatch) -> list:
+    """torchrun's launcher, replaced by a recorder: a refused command line must never reach it."""
+    import torch.distributed.run as tdr
+
+    calls: list = []
+    monkeypatch.setattr(tdr, "run", lambda args: calls.append(args))
+    return calls
+
+
+@pytest.fixture()
+def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _refused_by_run(argv: list[str], env: dict, mp: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, calls: list,
+                    words: list[str]) -> None:
+    for k, v in env.items():  # set, not read: reading is what `portspeed run` must do (and refuse)
+        mp.setenv(k, v)
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("portspeed run: error: ") and len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    assert calls == [], "a worker group was started for a refused command line"
+
+
+@pytest.mark.parametrize("env,exc_type,words", SETTINGS, ids=_ids(SETTINGS))
+def test_setting_refused_by_portspeed_run_before_spawning(env: dict, exc_type: type, words: list[str], script: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                          no_spawn: list) -> None:
+    _refused_by_run(["--nproc-per-node", "2", "train.py"], env, monkeypatch, capsys, no_spawn, words)
+
+
+#: command lines and device / layout checks `portspeed run` makes before it spawns: (argv, env, words)
+RUN_LINES = [
+    (["--nproc-per-node", "2", "train.py", "--tp", "4"], {}, ["world size 2", "tensor-parallel 4"]),
+    (["--nproc-per-node", "2", "train.py", "--pp", "3"], {}, ["world size 2", "pipeline-parallel 3"]),
+    (["--nnodes", "2", "--nproc-per-node", "2", "train.py", "--tensor-model-parallel-size=3"], {},
+     ["world size 4", "tensor-parallel 3"]),
+    (["--nproc-per-node", "1", "train.py"], {"PORTSPEED_ACCELERATOR": "npu"}, ["'torch-npu'", "install it"]),
+    (["--nproc-per-node", "2", "missing.py"], {}, ["training script 'missing.py' not found"]),
+    (["--adaptor", "bogus", "train.py"], {}, ["--adaptor 'bogus' is neither a known adaptor"]),
+    (["--no-python", "train.py"], {}, ["--no-python runs TRAINING_SCRIPT as an executable"]),
+]
+
+
+@pytest.mark.parametrize("argv,env,words", RUN_LINES, ids=[" ".join(r[0]) for r in RUN_LINES])
+def test_portspeed_run_refuses_before_spawning(argv: list[str], env: dict, words: list[str], script: Path,
+                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                               no_spawn: list) -> None:
+    _refused_by_run(argv, env, monkeypatch, capsys, no_spawn, words)
+
+
+def test_unknown_accelerator_fails_the_adaptor_import_itself() -> None:
+    """A real `import portspeed.megatron_adaptor`: the portspeed exception, no trigger left, nothing patched."""
+    res = run_snippet('''
+        import json, sys
+        try:
+            import portspeed.megatron_adaptor
+        except Exception as exc:
+            import portspeed
+            print(json.dumps({"type": type(exc).__name__, "msg": str(exc), "records": len(portspeed.manager().records()),
+                              "triggers": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)],
+                              "megatron": "megatron" in sys.modules}))
+    ''', timeout=TIMEOUT, env={"PORTSPEED_ACCELERATOR": "tpu"})
+    got = res.check().last_json()
+    assert got["type"] == "UnknownAcceleratorError" and "PORTSPEED_ACCELERATOR='tpu'" in got["msg"]
+    assert got["records"] == 0 and got["triggers"] == [] and got["megatron"] is False
+
+
+@pytest.mark.testdev
+def test_more_ranks_than_devices_is_refused_before_spawning(tmp_path: Path) -> None:
+    """The test device with 1 device and --nproc-per-node 2: exit 2, one line, the script never ran."""
+    (tmp_path / "train.py").write_text("open('ran', 'w').write('1')\n")
+    res = run_python(["-m", "portspeed.cli", "run", "--nproc-per-node", "2", "train.py"], timeout=TIMEOUT,
+                     cwd=tmp_path, env={"PORTSPEED_ACCELERATOR": "testdev", "PORTSPEED_TESTDEV_DEVICES": "1"})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "2 ranks on this node need 2 devices, but the adapter sees 1 device(s)" in res.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+# ------------------------------------------------------------------ portspeed compare
+def _record(iters: list[int]) -> str:
+    return json.dumps({"meta": {"layout": {"tp": 1}}, "iterations": [
+        {"iteration": i, "lm_loss": 1.0 + i, "grad_norm": 1.0, "skipped": False} for i in iters]})
+
+
+#: (files to write {name: text}, argv after the files, words)
+COMPARE = [
+    ({"a.json": _record([1, 2])}, ["a.json", "missing.json"], ["missing.json: no such file"]),
+    ({"a.json": _record([1, 2]), "b.json": ""}, ["a.json", "b.json"], ["b.json: is empty"]),
+    ({"a.json": _record([1, 2]), "b.json": '{"meta": {'}, ["a.json", "b.json"], ["b.json: looks like JSON but does not parse"]),
+    ({"a.json": _record([1, 2]), "b.json": "{}"}, ["a.json", "b.json"], ["b.json: not a portspeed loss record"]),
+    ({"a.json": _record([1, 2]), "b.log": "hello\n"}, ["a.json", "b.log"], ["b.log: no loss lines found"]),
+    ({"a.json": _record([1, 2])}, ["a.json"], ["need at least two runs"]),
+    ({"a.json": _record([1, 2]), "b.json": _record([1, 2])}, ["a.json", "b.json", "--atol", "-1"], ["--atol", "finite number >= 0"]),
+]
+
+
+@pytest.mark.parametrize("files,argv,words", COMPARE, ids=[" ".join(r[1]) for r in COMPARE])
+def test_compare_refuses_bad_files(files: dict, argv: list[str], words: list[str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Exit 2 with the file named; the --json / --markdown reports are not written (not even half)."""
+    monkeypatch.chdir(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert compare_cli.main([*argv, "--json", "r.json", "--markdown", "r.md"]) == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.md").exists()
+
+
+# ------------------------------------------------------------------ patch declarations
+def _noop(*a: object) -> None:
+    return None
+
+
+PATCHES = [
+    (dict(name="bad name", target="json:dumps", kind="wrap", impl=_noop, reason="x"), "patch name 'bad name'"),
+    (dict(name="p", target="json.dumps", kind="wrap", impl=_noop, reason="x"), "must be 'package.module:Attr.path'"),
+    (dict(name="p", target="json:dumps", kind="swap", impl=_noop, reason="x"), "kind must be 'replace', 'wrap' or 'finder'"),
+    (dict(name="p", target="json:dumps", kind="wrap", impl=42, reason="x"), "a wrap patch needs a callable"),
+    (dict(name="p", target="json:dumps", kind="wrap", impl=_noop, reason=""), "give one sentence of why"),
+]
+
+
+@pytest.mark.parametrize("fields,words", PATCHES, ids=[w for _, w in PATCHES])
+def test_bad_patch_declaration_is_refused(fields: dict, words: str) -> None:
+    with pytest.raises(PatchDefinitionError, match="") as got:
+        Patch(**fields)
+    assert words in str(got.value)
+
+
+def test_conflicting_batch_registers_nothing() -> None:
+    """Two replacements of one target in one batch: refused, and the good patches of the batch are not kept."""
+    mgr = PatchManager()
+    good = Patch(name="t.good", target="json:loads", kind="replace", impl=_noop, reason="test")
+    a = Patch(name="t.a", target="json:dumps", kind="replace", impl=_noop, reason="test")
+    b = Patch(name="t.b", target="json:dumps", kind="replace", impl=_noop, reason="test")
+    before = json.dumps
+    with pytest.raises(PatchConflictError, match="json:dumps"):
+        mgr.register([good, a, b])
+    assert mgr.records() == [] and json.dumps is before
+
+
+# ------------------------------------------------------------------ checkpoint directories
+def _dcp(path: Path) -> Path:
+    """A small torch_dist checkpoint (torch.distributed.checkpoint shards + Megatron's metadata.json)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(4096, dtype=torch.float32)}, storage_writer=dcp.FileSystemWriter(str(path)),
+             no_dist=True)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+                                        '"common_backend": "torch", "common_backend_version": 1}')
+    return path
+
+
+def _truncate_shard(p: Path) -> Path:
+    shard = next(p.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    return p
+
+
+def _make(kind: str, root: Path) -> Path:
+    p = root / "ck"
+    if kind == "missing":
+        return p
+    if kind == "file":
+        p.write_text("x")
+        return p
+    p.mkdir()
+    if kind == "empty":
+        return p
+    if kind == "truncated-shard":
+        return _truncate_shard(_dcp(p))
+    if kind == "no-.metadata":
+        (_dcp(p) / ".metadata").unlink()
+        return p
+    if kind == "truncated-.metadata":
+        m = _dcp(p) / ".metadata"
+        m.write_bytes(m.read_bytes()[:20])
+        return p
+    if kind == "half-written":
+        (p / "__0_0.distcp").write_bytes(b"\0" * 64)
+        return p
+    if kind == "tracker-garbage":
+        _dcp(p / "iter_0000002")
+        (p / checkpoints.TRACKER).write_text("two\n")
+        return p
+    if kind == "tracker-dangling":
+        (p / checkpoints.TRACKER).write_text("4\n")
+        return p
+    if kind == "deepspeed":
+        (p / "latest").write_text("global_step5")
+        (p / "global_step5").mkdir()
+        return p
+    if kind == "legacy-torch":
+        (p / "mp_rank_00").mkdir()
+        torch.save({"iteration": 1}, p / "mp_rank_00" / "model_optim_rng.pt")
+        return p
+    if kind == "zarr":
+        _dcp(p)
+        (p / "metadata.json").write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+        return p
+    raise AssertionError(kind)
+
+
+CHECKPOINTS = [
+    ("missing", "does not exist"),
+    ("file", "is a file, not a checkpoint directory"),
+    ("empty", "is not a checkpoint: it has neither latest_checkpointed_iteration.txt nor metadata.json"),
+    ("truncated-shard", "is truncated (100 of"),
+    ("no-.metadata", "incomplete: no .metadata (the save did not finish)"),
+    ("truncated-.metadata", "cannot be read"),
+    ("half-written", "incomplete: shards but no metadata.json"),
+    ("tracker-garbage", "holds 'two', not an iteration number"),
+    ("tracker-dangling", "names iteration 4, but iter_0000004 is missing"),
+    ("deepspeed", "is a DeepSpeed checkpoint"),
+    ("legacy-torch", "legacy 'torch' format"),
+    ("zarr", "is a 'zarr' dist checkpoint"),
+]
+
+
+@pytest.mark.parametrize("kind,words", CHECKPOINTS, ids=[k for k, _ in CHECKPOINTS])
+def test_checkpoint_reader_refuses(kind: str, words: str, tmp_path: Path) -> None:
+    path = _make(kind, tmp_path)
+    listing = sorted(str(p) for p in tmp_path.rglob("*"))
+    with pytest.raises(checkpoints.CheckpointError) as got:
+        checkpoints.resolve(path)
+    assert words in str(got.value) and "\n" not in str(got.value), str(got.value)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == listing, "the reader changed the directory"
+
+
+def test_a_whole_checkpoint_resolves(tmp_path: Path) -> None:
+    """The reader's accepting side (so the rows above fail for their own reason): a tracker and its iter dir."""
+    root = tmp_path / "ck"
+    _dcp(root / "iter_0000002")
+    checkpoints.write_tracker(root, 2)
+    assert checkpoints.resolve(root) == (root / "iter_0000002", 2)
+    assert checkpoints.resolve(root / "iter_0000002") == (root / "iter_0000002", None)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("kind,words", [("missing", "does not exist"), ("truncated-shard", "is truncated"),
+                                        ("deepspeed", "is a DeepSpeed checkpoint")])
+def test_example_trainer_refuses_bad_load_dir(kind: str, words: str, tmp_path: Path) -> None:
+    """examples/pretrain_gpt.py --load BAD: exit 2, one line, before any process group; --save is not created."""
+    path = _make(kind, tmp_path)
+    save = tmp_path / "out"
+    res = run_python([str(REPO / "examples" / "pretrain_gpt.py"), "--load", str(path), "--save", str(save),
+                      "--iters", "1"], timeout=TIMEOUT)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("pretrain_gpt.py: ")]
+    assert len(lines) == 1 and words in lines[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not save.exists()
+
+
+@pytest.mark.megatron
+def test_example_generator_refuses_a_missing_checkpoint(tmp_path: Path) -> None:
+    res = run_python([str(REPO / "examples" / "generate_gpt.py"), "--load", str(tmp_path / "none")], timeout=TIMEOUT)
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+#: the example trainer's own flags: (args, words)
+TRAINER_FLAGS = [
+    (["--fail-at", "1-3"], "--fail-at '1-3' must be RANK:ITER or RANK:ITER:save"),
+    (["--fail-at", "5:2"], "rank 5 is not in 0..0"),
+    (["--save-interval", "2"], "--save-interval and --resume need --save DIR"),
+]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("args,words", TRAINER_FLAGS, ids=[" ".join(a) for a, _ in TRAINER_FLAGS])
+def test_example_trainer_refuses_bad_flags(args: list[str], words: str) -> None:
+    res = run_python([str(REPO / "examples" / "pretrain_gpt.py"), *args], timeout=TIMEOUT)
+    assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_table_has_at_least_thirty_rows() -> None:
+    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + 5
+    assert rows >= 30, rows
