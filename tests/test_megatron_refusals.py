@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 from helpers.launch import run_snippet
 from helpers.requires import importable
-from helpers.stock import SKIP_REASON, run_stock_gpt
+from helpers.stock import SKIP_REASON
+from helpers.stock_parity import stock_run
 
 from portspeed.errors import UnsupportedOptionError
 from portspeed.patches.megatron import training_cuda_only
@@ -166,7 +167,7 @@ def test_stock_pretrain_with_context_parallel_stops_at_start_up(tmp_path: Path) 
     """pretrain_gpt.py --context-parallel-size 2 on two ranks exits before building the model, with the message."""
     log = tmp_path / "cp2.log"
     with pytest.raises(AssertionError, match="failed"):
-        run_stock_gpt(2, log, "--context-parallel-size", "2", "--train-iters", "2", "--eval-interval", "2")
+        stock_run(2, log, "--context-parallel-size", "2", "--train-iters", "2", "--eval-interval", "2")
     text = log.read_text()
     assert "UnsupportedOptionError: portspeed:" in text and "--context-parallel-size 2" in text, text[-3000:]
     assert "building GPT model" not in text, "the model was built before the refusal"
