@@ -21,6 +21,7 @@ installs in place of ``portspeed.accelerator.translation.served_import``.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import types
@@ -44,6 +45,7 @@ IMPORTERS: frozenset[str] = frozenset({
 _TOP = "transformer_engine"
 _lock = threading.Lock()
 _tree: dict[str, types.ModuleType] | None = None
+log = logging.getLogger("portspeed.portable_te")
 
 
 def nvidia_installed() -> str | None:
@@ -73,7 +75,11 @@ def tree() -> dict[str, types.ModuleType]:
     with _lock:
         if _tree is None:
             gv = gate_version("megatron-core").version
-            _tree = build(te_version_for(str(gv) if gv is not None else None))
+            version = te_version_for(str(gv) if gv is not None else None)
+            _tree = build(version)
+            log.warning("portspeed: Megatron's Transformer Engine path (--transformer-impl transformer_engine) uses "
+                        "portspeed's portable Transformer Engine (plain torch), reported as version %s; "
+                        "--transformer-impl local avoids it", version)
         return _tree
 
 

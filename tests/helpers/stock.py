@@ -58,13 +58,19 @@ def require_stock_packages() -> None:
 SKIP_REASON = checkout_skip_reason()
 
 
-def run_stock_gpt(nproc: int, log: Path, *flags: str, num_layers: int = 2, accelerator: str = "cpu") -> str:
-    """Train the tiny stock GPT on ``nproc`` local ranks; write the output to ``log`` and return it (exit 0 asserted)."""
+def run_stock_gpt(nproc: int, log: Path, *flags: str, num_layers: int = 2, accelerator: str = "cpu",
+                  transformer_impl: str | None = "local") -> str:
+    """Train the tiny stock GPT on ``nproc`` local ranks; write the output to ``log`` and return it (exit 0 asserted).
+
+    ``transformer_impl`` is passed as ``--transformer-impl``; None passes no such flag (Megatron's
+    default, Transformer Engine: portspeed's portable one off CUDA).
+    """
     require_stock_packages()
     root = os.environ["MEGATRON_LM_ROOT"]
     args = ["-m", "portspeed.cli", "run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), f"{root}/pretrain_gpt.py",
-           "--transformer-impl", "local", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+           *(("--transformer-impl", transformer_impl) if transformer_impl else ()),
+           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
            "--num-layers", str(num_layers), "--hidden-size", "64", "--num-attention-heads", "4",
            "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
            "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
