@@ -1,13 +1,14 @@
-"""Megatron-Core text generation (examples/generate_gpt.py): PP2 gives PP1's tokens, on CPU and on the test device.
+"""Megatron-Core text generation (examples/generate_gpt.py): TP2 and PP2 give TP1's tokens, on CPU and on the test device.
 
 One CPU TP1 run of examples/pretrain_gpt.py trains 3 iterations and saves; every generation
 run loads that checkpoint and decodes the same 4 prompts with Megatron-Core's static
 inference engine, greedily and then sampled (top-k 20, the controller's seeded sampling
 generator). With PP2 the last stage's logits reach the first through
 ``broadcast_from_last_pipeline_stage``. The reference is the CPU PP1 run; CPU PP2 and PP2 on
-the test device (a C++ PrivateUse1 test device, not hardware) must produce the same tokens
-and the same per-token log-probabilities (fp32, within 1e-5; observed equal). Each run is a
-real torchrun job with a hard time limit.
+the test device (a C++ PrivateUse1 test device, not hardware), and CPU TP2 and TP2 on the test
+device (the vocabulary-parallel logits gathered over the tensor-parallel group before
+sampling), must produce the same tokens and the same per-token log-probabilities (fp32,
+within 1e-5). Each run is a real torchrun job with a hard time limit.
 """
 
 from __future__ import annotations
@@ -96,3 +97,21 @@ def test_testdev_pp2_generates_cpu_tokens(trained_ckpt: str, cpu_pp1: dict, tmp_
     assert meta["patches"].get("megatron.core.inference_comm.device_check") == "applied", meta["patches"]
     worst = _assert_same(got, cpu_pp1, "testdev pp2")
     print(f"testdev pp2 vs cpu pp1: max log-prob |diff| {worst:.3g}")
+
+
+def test_cpu_tp2_generates_tp1_tokens(trained_ckpt: str, cpu_pp1: dict, tmp_path: Path) -> None:
+    """CPU TP2 (vocabulary-parallel logits gathered over Gloo, sampling generator on each rank) equals CPU TP1."""
+    got = _generate(2, trained_ckpt, tmp_path / "gen.json", ["--tp", "2"])
+    assert (got["meta"]["tp"], got["meta"]["pp"], got["meta"]["backend"]) == (2, 1, "gloo"), got["meta"]
+    worst = _assert_same(got, cpu_pp1, "cpu tp2")
+    print(f"cpu tp2 vs cpu tp1: max log-prob |diff| {worst:.3g}")
+
+
+@pytest.mark.testdev
+def test_testdev_tp2_generates_cpu_tokens(trained_ckpt: str, cpu_pp1: dict, tmp_path: Path) -> None:
+    """TP2 on the test device (testccl) equals the CPU TP1 run."""
+    got = _generate(2, trained_ckpt, tmp_path / "gen.json", ["--tp", "2"], env={"PORTSPEED_ACCELERATOR": "testdev"})
+    meta = got["meta"]
+    assert meta["device"].startswith("testdev") and meta["backend"] == "testccl" and meta["tp"] == 2, meta
+    worst = _assert_same(got, cpu_pp1, "testdev tp2")
+    print(f"testdev tp2 vs cpu tp1: max log-prob |diff| {worst:.3g}")
