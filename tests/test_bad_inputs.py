@@ -309,42 +309,53 @@ def test_a_whole_checkpoint_resolves(tmp_path: Path) -> None:
     assert checkpoints.resolve(root / "iter_0000002") == (root / "iter_0000002", None)
 
 
-@pytest.mark.megatron
-@pytest.mark.parametrize("kind,words", [("missing", "does not exist"), ("truncated-shard", "is truncated"),
-                                        ("deepspeed", "is a DeepSpeed checkpoint")])
-def test_example_trainer_refuses_bad_load_dir(kind: str, words: str, tmp_path: Path) -> None:
-    """examples/pretrain_gpt.py --load BAD: exit 2, one line, before any process group; --save is not created."""
-    path = _make(kind, tmp_path)
-    save = tmp_path / "out"
-    res = run_python([str(REPO / "examples" / "pretrain_gpt.py"), "--load", str(path), "--save", str(save),
-                      "--iters", "1"], timeout=TIMEOUT)
-    assert res.returncode == 2, res.stderr[-2000:]
-    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("pretrain_gpt.py: ")]
-    assert len(lines) == 1 and words in lines[0], res.stderr[-2000:]
-    assert "Traceback" not in res.stderr and not save.exists()
-
-
-@pytest.mark.megatron
-def test_example_generator_refuses_a_missing_checkpoint(tmp_path: Path) -> None:
-    res = run_python([str(REPO / "examples" / "generate_gpt.py"), "--load", str(tmp_path / "none")], timeout=TIMEOUT)
-    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
-
-
 #: the example trainer's own flags: (args, words)
 TRAINER_FLAGS = [
     (["--fail-at", "1-3"], "--fail-at '1-3' must be RANK:ITER or RANK:ITER:save"),
     (["--fail-at", "5:2"], "rank 5 is not in 0..0"),
-    (["--save-interval", "2"], "--save-interval and --resume need --save DIR"),
+    (["--save-interval", "0"], "--save-interval 0 must be at least 1"),
+    (["--tp", "3"], "--vocab-size 128 must be divisible by --tp 3"),
 ]
+#: checkpoint rows the example trainer is given as --load
+TRAINER_LOADS = [("missing", "does not exist"), ("truncated-shard", "is truncated"),
+                 ("half-written", "shards but no metadata.json"), ("deepspeed", "is a DeepSpeed checkpoint")]
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("args,words", TRAINER_FLAGS, ids=[" ".join(a) for a, _ in TRAINER_FLAGS])
-def test_example_trainer_refuses_bad_flags(args: list[str], words: str) -> None:
-    res = run_python([str(REPO / "examples" / "pretrain_gpt.py"), *args], timeout=TIMEOUT)
-    assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+def test_example_trainer_refuses_bad_input(tmp_path: Path) -> None:
+    """examples/pretrain_gpt.py: bad flags and bad --load directories exit 2 with one line, before any process
+    group exists; --save is not created. One child imports the trainer once and parses each row's command line
+    (the trainer's own parse_args, what its main() calls first); one row also runs as a real command."""
+    save = tmp_path / "out"
+    cases = [[*args, "--save", str(save)] for args, _ in TRAINER_FLAGS]
+    for i, (kind, _) in enumerate(TRAINER_LOADS):
+        (tmp_path / f"l{i}").mkdir()
+        cases.append(["--load", str(_make(kind, tmp_path / f"l{i}")), "--save", str(save), "--iters", "1"])
+    got = run_snippet(f'''
+        import contextlib, io, json, sys
+        sys.path.insert(0, {str(REPO / "examples")!r})
+        import pretrain_gpt
+        out = []
+        for argv in {cases!r}:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    pretrain_gpt.parse_args(argv)
+                    code = 0
+                except SystemExit as exc:
+                    code = exc.code
+            out.append([code, err.getvalue()])
+        print(json.dumps(out))
+    ''', timeout=TIMEOUT).check().last_json()
+    words = [w for _, w in TRAINER_FLAGS] + [w for _, w in TRAINER_LOADS]
+    for (code, err), w, argv in zip(got, words, cases):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: ") and w in lines[0], (argv, err)
+    assert not save.exists()
+    res = run_python([str(REPO / "examples" / "pretrain_gpt.py"), *cases[len(TRAINER_FLAGS)]], timeout=TIMEOUT)
+    assert res.returncode == 2 and "does not exist" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
 
 
 def test_table_has_at_least_thirty_rows() -> None:
-    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + 5
+    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + len(TRAINER_LOADS) + 3
     assert rows >= 30, rows
