@@ -25,7 +25,7 @@ LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/tes
 LEG1_MARKS  := not cuda_build
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock
 
-.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock stock-tests bench clean
+.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock stock-tests megatron-unit-tests bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,20 @@ stock-tests: $(STAMP)
 	$(PY) -m portspeed.testing.testdev build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py \
 	    tests/test_stock_testdev.py
+
+## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
+## portspeed on the active adapter, launched as Megatron's CI launches them: one torchrun per target.
+## FILES: targets under tests/unit_tests (default: the set in docs/megatron-unit-tests.md); NPROC ranks (8).
+MEGATRON_UNIT_FILES ?= test_parallel_state.py tensor_parallel/ pipeline_parallel/test_schedules.py distributed/ \
+    transformer/test_transformer_block.py dist_checkpointing/test_serialization.py \
+    dist_checkpointing/test_torch_dist.py dist_checkpointing/models/test_gpt_model.py
+FILES ?= $(MEGATRON_UNIT_FILES)
+NPROC ?= 8
+megatron-unit-tests: $(STAMP)
+	@test -n "$(MEGATRON_LM_ROOT)" || { echo "set MEGATRON_LM_ROOT to a Megatron-LM checkout (core_v0.16.x for this venv)"; exit 2; }
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[megatron-tests]"
+	OMP_NUM_THREADS=1 $(PY) -m portspeed.cli megatron-tests --root "$(MEGATRON_LM_ROOT)" --nproc-per-node $(NPROC) \
+	    --timeout 1800 $(FILES)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done

@@ -11,6 +11,7 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 | PORTSPEED_DISABLE | comma-separated patch names or name prefixes | block those patches |
 | PORTSPEED_LOG_LEVEL | DEBUG, INFO, WARNING, ERROR | portspeed's logger level |
 | PORTSPEED_TIMEOUT | seconds (positive number) | collective / rendezvous timeout used by launchers and tests |
+| PORTSPEED_GLOO_LAZY_INIT | 0/1 (default 1) | Gloo groups connect their ranks at their first collective, not when created (torch >= 2.8; an explicit TORCH_GLOO_LAZY_INIT wins; see ``portspeed.comm.gloo_init``) |
 | PORTSPEED_LOSS_LOG | file path | where a training script writes its JSON loss record (`portspeed.megatron_adaptor.open_loss_log`, used by examples/pretrain_gpt.py; the stock scripts print losses instead, which `portspeed compare` parses) |
 """
 
@@ -64,6 +65,7 @@ class Settings:
     log_level: str = "WARNING"
     timeout: float = 300.0
     loss_log: str | None = None
+    gloo_lazy_init: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -110,6 +112,8 @@ class Settings:
                     f"PORTSPEED_TIMEOUT={timeout!r} is not a positive number of seconds"
                 )
             kw["timeout"] = t
+        if "PORTSPEED_GLOO_LAZY_INIT" in env:
+            kw["gloo_lazy_init"] = parse_bool("PORTSPEED_GLOO_LAZY_INIT", env["PORTSPEED_GLOO_LAZY_INIT"])
         loss_log = env.get("PORTSPEED_LOSS_LOG", "").strip()
         if loss_log:
             kw["loss_log"] = loss_log

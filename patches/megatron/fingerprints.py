@@ -51,6 +51,8 @@ FINGERPRINTS: dict[str, dict[str, str]] = {'megatron.core.ddp_buffers.offload_co
                                          '0.18.2': '95df3ddee5b1bc7c',
                                          '0.19.1': '95df3ddee5b1bc7c',
                                          '0.19.2': '95df3ddee5b1bc7c'},
+ 'megatron.core.parallel_state.destroy_host_groups': {'0.16.1': '5dbc5f215ecd9809',
+                                                      '0.19.1': '09a9f20dd145e29d'},
  'megatron.core.parallel_state.nccl_options': {'0.15.3': '2b88e2d24d2ed7e7',
                                                '0.16.1': '7c98563c6e42bd26',
                                                '0.17.1': '85e68e94d0b5a51e',

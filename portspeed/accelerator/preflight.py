@@ -35,6 +35,7 @@ __all__ = ["SETTINGS", "check_settings", "check_device", "check_layout"]
 SETTINGS: tuple[str, ...] = (
     "PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTSPEED_DISABLE",
     "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT", "PORTSPEED_LOSS_LOG", scope.FRAMEWORK_ENV,
+    "PORTSPEED_GLOO_LAZY_INIT",
 )
 #: variables set by portspeed for its own processes (`portspeed run` workers, the test device's build)
 _INTERNAL_PREFIXES = ("PORTSPEED_RUN_", "PORTSPEED_TESTDEV_")

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("portspeed.cli.info:main", "versions, adapters, backend capability gaps, which patch sets apply"),
     "patches": ("portspeed.cli.patches:main", "list every patch: applied / pending / skipped / failed"),
     "run": ("portspeed.cli.run:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
+    "megatron-tests": ("portspeed.cli.megatron_tests:main",
+                       "Megatron-LM's own unit tests (tests/unit_tests of a checkout), launched as its CI does"),
     "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
     "conformance": ("portspeed.conformance.__main__:main",
                     "prove an adapter on its hardware: device, collectives, training vs CPU losses"),

@@ -9,7 +9,10 @@ path reads (``_CAPS``) in step with the groups that exist.
 Contract
 - ``init_process_group`` / ``new_group``: the backend is mapped (``backends.map_backend``),
   NCCL-only ``pg_options`` meant for another backend are dropped, the requested name is
-  remembered (a sub-group created without a backend inherits the default group's name).
+  remembered (a sub-group created without a backend inherits the default group's name);
+  a group whose real backend is Gloo is created lazily (``gloo_init.lazy_gloo``: its ranks
+  connect at its first collective), unless ``PORTSPEED_GLOO_LAZY_INIT=0`` or the user set
+  ``TORCH_GLOO_LAZY_INIT``.
 - ``get_backend``: framework and user code gets the *requested* name, torch's own modules
   (``torch.*`` callers, e.g. ``monitored_barrier``'s Gloo check) the real one.
 - ``destroy_process_group``: forgets the group's name and clears the capability cache.
@@ -33,6 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 from portspeed.comm import backends
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.comm.capabilities import Capabilities, capabilities_for
+from portspeed.comm.gloo_init import lazy_gloo
 
 __all__ = [
     "capabilities_of",
@@ -81,7 +85,8 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
         args[7] = _drop_foreign_options(args[7], asked, mapped)
     elif "pg_options" in kwargs:
         kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
-    result = wrapped(*args, **kwargs)
+    with lazy_gloo(mapped):
+        result = wrapped(*args, **kwargs)
     with _lock:
         _CAPS.clear()
         if asked is not None:
@@ -106,12 +111,21 @@ def wrap_new_group(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
             args[3] = _drop_foreign_options(args[3], asked, mapped)
         elif "pg_options" in kwargs:
             kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
-    group = wrapped(*args, **kwargs)
+    with lazy_gloo(mapped if mapped is not None else _default_real()):
+        group = wrapped(*args, **kwargs)
     name = asked if asked is not None else inherited
     if name is not None and group is not None and group in c10d._world.pg_map:
         with _lock:
             backends.remember(group, name)
     return group
+
+
+def _default_real() -> str | None:
+    """The default group's real backend (what a sub-group created without a backend runs on)."""
+    try:
+        return real_backend(None) if c10d.is_initialized() else None
+    except (ValueError, RuntimeError):
+        return None
 
 
 def wrap_get_backend(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
