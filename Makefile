@@ -21,7 +21,7 @@ PYTHON312   ?= $(shell { p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/pyt
 LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/test_translation.py \
                tests/test_router.py tests/test_collective_conformance.py tests/test_selection.py \
                tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
-               tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py
+               tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py tests/test_megatron_refusals.py
 LEG1_MARKS  := not cuda_build
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock
 
@@ -77,7 +77,7 @@ stock-tests: $(STAMP)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[stock]"
 	$(PY) -m portspeed.testing.testdev build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py \
-	    tests/test_stock_testdev.py
+	    tests/test_stock_testdev.py tests/test_stock_llama.py tests/test_megatron_refusals.py
 
 ## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
 ## portspeed on the active adapter, launched as Megatron's CI launches them: one torchrun per target.
