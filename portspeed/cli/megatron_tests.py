@@ -22,8 +22,10 @@ three things must hold, and this command makes them hold for that run only:
 Each TARGET (a file or folder under ``tests/unit_tests``) is one launch, like one bucket in
 Megatron's CI, so each gets its own wall time, exit status and counts (read from rank 0's
 pytest summary; every rank's output is kept under ``--log-dir``). Unlike Megatron's CI
-(``-x``), a failing test does not stop the file (``--maxfail`` is raised), so the counts
-cover the whole file; ``--timeout`` bounds each launch and a launch that runs past it is
+(``-x``), a failing test does not stop the file (``--maxfail`` is raised) and a module that
+cannot be imported (one needing NVIDIA's Transformer Engine, say) does not stop its
+folder (``--continue-on-collection-errors``; it counts as an error), so the counts cover
+every file; the tests Megatron's CI marks flaky run too (``--markers`` chooses); ``--timeout`` bounds each launch and a launch that runs past it is
 killed and reported as such. Options after ``--`` go to pytest as they are.
 
 Example (the make target ``megatron-unit-tests`` installs the extra packages first)::
@@ -51,14 +53,17 @@ from portspeed.accelerator.scope import FRAMEWORK_ENV
 from portspeed.errors import PortspeedError
 from portspeed.testing.pytest_rank_report import REPORT_ENV
 
-__all__ = ["EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command", "main",
+__all__ = ["CI_MARKERS", "EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command", "main",
            "parse_counts", "resolve_targets"]
 
 #: modules Megatron's unit-test conftest and fixtures import beyond megatron-core and pytest
 #: (-> the ``megatron-tests`` extra): module name -> distribution
 EXTRA_MODULES: dict[str, str] = {"click": "click", "requests": "requests", "pytest_mock": "pytest-mock"}
-#: the markers Megatron's CI deselects (run_ci_test.sh: experimental always, flaky in either environment)
-MARKERS = "not experimental and not flaky and not flaky_in_dev"
+#: the default selection: every test but the experimental ones (those need Megatron's --experimental flag).
+#: Megatron's CI (run_ci_test.sh) also leaves out the tests it marks flaky ("lts") or flaky_in_dev ("dev");
+#: CI_MARKERS is that selection, for --markers.
+MARKERS = "not experimental"
+CI_MARKERS = "not experimental and not flaky and not flaky_in_dev"
 UNIT_TESTS = Path("tests") / "unit_tests"
 REPORT_PLUGIN = "portspeed.testing.pytest_rank_report"
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
@@ -116,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="wall-clock limit per launch")
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="every rank's stdout/stderr, per target (default: a fresh folder under /tmp)")
-    p.add_argument("--markers", default=MARKERS, help=f"pytest -m expression (default: {MARKERS!r}, as Megatron's CI)")
+    p.add_argument("--markers", default=MARKERS,
+                   help=f"pytest -m expression (default: {MARKERS!r}; Megatron's CI uses {CI_MARKERS!r})")
     p.add_argument("--json", default=None, metavar="FILE", help="write the outcomes as JSON")
     return p
 
@@ -182,7 +188,8 @@ def launch_command(target: str, nproc: int, log_dir: Path, markers: str, pytest_
     return [sys.executable, "-m", "portspeed.cli.run", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
             "--log-dir", str(log_dir), "--redirects", "3", "--tee", "0:3",
-            "-m", "pytest", "-p", "no:cacheprovider", "-p", REPORT_PLUGIN, "--maxfail", "100000", "-m", markers,
+            "-m", "pytest", "-p", "no:cacheprovider", "-p", REPORT_PLUGIN, "--maxfail", "100000",
+            "--continue-on-collection-errors", "-m", markers,
             *pytest_args, target]
 
 
