@@ -314,7 +314,7 @@ TRAINER_FLAGS = [
     (["--fail-at", "1-3"], "--fail-at '1-3' must be RANK:ITER or RANK:ITER:save"),
     (["--fail-at", "5:2"], "rank 5 is not in 0..0"),
     (["--save-interval", "0"], "--save-interval 0 must be at least 1"),
-    (["--tp", "3"], "--vocab-size 128 must be divisible by --tp 3"),
+    (["--tp", "3"], "world size 1 is not divisible by --tp 3"),
 ]
 #: checkpoint rows the example trainer is given as --load
 TRAINER_LOADS = [("missing", "does not exist"), ("truncated-shard", "is truncated"),
