@@ -134,7 +134,9 @@ def test_megatron_lm_tag_has_no_drift(tag: str) -> None:
 def test_the_shipped_patch_set_carries_its_fingerprints() -> None:
     """Every Megatron attribute patch has a fingerprint recorded for at least one release (drift can be shown).
 
-    Finder patches change sys.meta_path, not a Megatron source object: nothing to fingerprint.
+    Finder patches change sys.meta_path, not a Megatron source object: nothing to fingerprint; nor do
+    patches in the Megatron set whose target is torch's or portspeed's (drift reads Megatron sources only).
     """
-    missing = [p.name for p in all_patches() if not p.fingerprints and p.kind != "finder"]
+    missing = [p.name for p in all_patches()
+               if not p.fingerprints and p.kind != "finder" and p.target.startswith("megatron")]
     assert not missing, f"patches without recorded fingerprints: {missing}"
