@@ -60,7 +60,8 @@ def resume_point(args: argparse.Namespace) -> None:
         elif args.load:
             args.load_dir, _ = checkpoints.resolve(args.load)
     except checkpoints.CheckpointError as exc:
-        print(f"{os.path.basename(sys.argv[0]) or 'pretrain_gpt.py'}: {exc}", file=sys.stderr)
+        prog = os.path.basename(sys.argv[0])  # pretrain_gpt.py, or generate_gpt.py, which parses the same flags
+        print(f"{prog if prog.endswith('.py') else 'pretrain_gpt.py'}: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
