@@ -1,0 +1,241 @@
+"""The portable Transformer Engine's layers against plain torch references (portspeed/portable_te).
+
+In process (TP = 1): Linear / LayerNormLinear forward and backward equal ``F.linear`` (after
+``F.layer_norm`` / RMS), zero-centred gamma, the weight gradient fused into ``main_grad``,
+DotProductAttention (causal, padding, GQA, both layouts) equal to an explicit softmax
+attention, the RNG tracker's forks, ``checkpoint`` recomputing with the same dropout mask, the
+``_extra_state`` round trip, and every refusal naming its flag. Two ranks (Gloo, torchrun):
+column- and row-parallel layers with and without sequence parallelism equal the
+single-process layer built from the same full weights, forward and input/weight gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.launch import torchrun
+
+from portspeed.errors import UnsupportedOptionError
+from portspeed.portable_te import attention, linear, namespace, norms, rng
+
+pytestmark = [pytest.mark.megatron]
+
+ATOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _cpu(portspeed_env) -> None:
+    portspeed_env(PORTSPEED_ACCELERATOR="cpu")
+
+
+def _init(w: torch.Tensor) -> None:
+    torch.nn.init.normal_(w, std=0.2)
+
+
+def test_linear_and_layernorm_linear_equal_torch() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 8, requires_grad=True)
+    lin = linear.Linear(8, 6, init_method=_init, bias=True, params_dtype=torch.float32, device="cpu")
+    w, b = lin.weight.detach().clone().requires_grad_(), lin.bias.detach().clone().requires_grad_()
+    y = lin(x)
+    ref = F.linear(x, w, b)
+    torch.testing.assert_close(y, ref, atol=ATOL, rtol=0)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    y.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(lin.weight.grad, w.grad, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lin.bias.grad, b.grad, atol=ATOL, rtol=0)
+
+    for norm in ("LayerNorm", "RMSNorm"):
+        lnl = linear.LayerNormLinear(8, 6, eps=1e-5, init_method=_init, normalization=norm, zero_centered_gamma=True,
+                                     device="cpu", return_bias=True)
+        with torch.no_grad():
+            lnl.layer_norm_weight.normal_()
+        out, bias = lnl(x)
+        gamma = lnl.layer_norm_weight + 1
+        if norm == "LayerNorm":
+            h = F.layer_norm(x, (8,), gamma, lnl.layer_norm_bias, 1e-5)
+        else:
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * gamma
+        torch.testing.assert_close(out, F.linear(h, lnl.weight), atol=ATOL, rtol=0)
+        assert bias is lnl.bias, "return_bias hands the bias back, not added"
+        assert (norm == "RMSNorm") == (lnl.layer_norm_bias is None)
+
+
+def test_norms_zero_centred_gamma() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(4, 2, 16)
+    ln = norms.LayerNorm(16, eps=1e-6, zero_centered_gamma=True, sequence_parallel=True, device="cpu")
+    assert torch.all(ln.weight == 0) and ln.weight.sequence_parallel is True
+    torch.testing.assert_close(ln(x), F.layer_norm(x, (16,), eps=1e-6), atol=ATOL, rtol=0)
+    rms = norms.RMSNorm(16, eps=1e-6, device="cpu")
+    torch.testing.assert_close(rms(x), x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), atol=ATOL, rtol=0)
+
+
+def test_fused_wgrad_goes_into_main_grad() -> None:
+    torch.manual_seed(2)
+    lin = linear.Linear(8, 4, init_method=_init, bias=False, fuse_wgrad_accumulation=True, device="cpu")
+    lin.weight.main_grad = torch.ones(4, 8)
+    lin.weight.grad_added_to_main_grad = False
+    x = torch.randn(3, 2, 8)
+    g = torch.randn(3, 2, 4)
+    lin(x).backward(g)
+    expect = torch.ones(4, 8) + g.reshape(-1, 4).t() @ x.reshape(-1, 8)
+    torch.testing.assert_close(lin.weight.main_grad, expect, atol=ATOL, rtol=0)
+    assert lin.weight.grad_added_to_main_grad is True
+
+
+def _explicit_attention(q, k, v, mask, scale):  # [b, h, s, d]
+    reps = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    s = torch.where(mask, torch.full_like(s, -10000.0), s) if mask is not None else s
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v)
+
+
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("mask_type", ["causal", "padding", "no_mask"])
+def test_attention_equals_explicit_softmax(fmt: str, mask_type: str) -> None:
+    torch.manual_seed(3)
+    b, s, h, g, d = 2, 6, 4, 2, 8
+    dpa = attention.DotProductAttention(h, d, num_gqa_groups=g, attn_mask_type=mask_type, qkv_format=fmt)
+    q4, k4, v4 = torch.randn(b, h, s, d), torch.randn(b, g, s, d), torch.randn(b, g, s, d)
+    pad = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    pad[1, :, :, 4:] = True
+    mask = {"causal": torch.ones(s, s, dtype=torch.bool).triu(1), "padding": pad, "no_mask": None}[mask_type]
+    ref = _explicit_attention(q4, k4, v4, mask, 1 / math.sqrt(d))
+    perm = (2, 0, 1, 3) if fmt == "sbhd" else (0, 2, 1, 3)
+    q, k, v = (t.permute(*perm).contiguous().requires_grad_() for t in (q4, k4, v4))
+    out = dpa(q, k, v, pad if mask_type == "padding" else None)
+    expect = ref.permute(*perm).reshape(out.shape)
+    torch.testing.assert_close(out, expect, atol=ATOL, rtol=0)
+    out.sum().backward()
+    assert k.grad is not None and k.grad.shape == k.shape
+
+
+def test_rng_tracker_and_checkpoint_recompute_same_dropout() -> None:
+    tracker = rng.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 123)
+    with pytest.raises(RuntimeError, match="already exists"):
+        tracker.add("other", 123)
+    before = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(3)
+    with tracker.fork():
+        b = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before), "fork changed the caller's generator"
+    assert not torch.equal(a, b), "the tracked state did not advance"
+
+    torch.manual_seed(4)
+    lin = linear.Linear(8, 8, init_method=_init, device="cpu")
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            return F.dropout(lin(x), p=0.5, training=True)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    states = tracker.get_states()
+    y_plain = block(x)
+    y_plain.sum().backward()
+    g_plain, gw_plain = x.grad.clone(), lin.weight.grad.clone()
+    x.grad = None
+    lin.weight.grad = None
+    tracker.set_states(states)
+    y_ckpt = rng.checkpoint(block, x, get_rng_state_tracker=lambda: tracker)
+    y_ckpt.sum().backward()
+    torch.testing.assert_close(y_ckpt, y_plain, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad, g_plain, atol=0, rtol=0)
+    torch.testing.assert_close(lin.weight.grad, gw_plain, atol=0, rtol=0)
+
+
+def test_extra_state_round_trip() -> None:
+    lin = linear.LayerNormLinear(8, 4, init_method=_init, device="cpu")
+    sd = lin.state_dict()
+    assert "_extra_state" in sd and sd["_extra_state"].numel() == 0
+    other = linear.LayerNormLinear(8, 4, device="cpu")
+    other.load_state_dict(sd)
+    torch.testing.assert_close(other.weight, lin.weight, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("build, flag", [
+    (lambda: linear.Linear(8, 8, ub_overlap_ag=True), "--tp-comm-overlap"),
+    (lambda: linear.Linear(8, 8, delay_wgrad_compute=True), "--delay-wgrad-compute"),
+    (lambda: linear.Linear(8, 8, symmetric_ar_type="two_shot"), "--symmetric-ar-type"),
+    (lambda: attention.DotProductAttention(4, 8, window_size=(4, 0)), "--window-size"),
+    (lambda: attention.DotProductAttention(4, 8, softmax_type="learnable"), "--softmax-type"),
+    (lambda: namespace.GroupedLinear(2, 8, 8), "--moe-grouped-gemm"),
+    (lambda: namespace.DelayedScaling(), "--fp8-format"),
+    (lambda: namespace.fp8_autocast(enabled=True).__enter__(), "--fp8-format"),
+    (lambda: namespace.build("2.6.0")["transformer_engine.pytorch.ops"].SwiGLU(), "--use-te-activation-func"),
+    (lambda: rng.checkpoint(lambda: None, distribute_saved_activations=True), "--distribute-saved-activations"),
+])
+def test_refusals_name_the_flag(build, flag: str) -> None:
+    with pytest.raises(UnsupportedOptionError, match=flag.replace("-", r"\-")) as info:
+        build()
+    assert "--transformer-impl local" in str(info.value)
+
+
+TP2_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    from portspeed.portable_te import linear
+    dist.init_process_group("gloo")
+    rank, out = dist.get_rank(), {}
+    g = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    W1, B1 = torch.randn(8, 6), torch.randn(8)         # column: out 8 -> 4 per rank
+    W2, B2 = torch.randn(6, 8), torch.randn(6)         # row: in 8 -> 4 per rank
+    X = torch.randn(4, 2, 6)                            # [s, b, h]
+    G = torch.randn(4, 2, 6)
+    def ref():
+        x = X.clone().requires_grad_()
+        w1, b1, w2 = (t.clone().requires_grad_() for t in (W1, B1, W2))
+        y = F.linear(F.linear(F.layer_norm(x, (6,)), w1, b1), w2) + B2
+        y.backward(G)
+        return y, x.grad, w1.grad, w2.grad
+    ry, rgx, rgw1, rgw2 = ref()
+    for sp in (False, True):
+        col = linear.LayerNormLinear(6, 8, parallel_mode="column", tp_group=g, sequence_parallel=sp, device="cpu")
+        row = linear.Linear(8, 6, parallel_mode="row", tp_group=g, sequence_parallel=sp, device="cpu")
+        with torch.no_grad():
+            col.weight.copy_(W1.chunk(2, 0)[rank]); col.bias.copy_(B1.chunk(2, 0)[rank])
+            row.weight.copy_(W2.chunk(2, 1)[rank]); row.bias.copy_(B2)
+        x = (X.chunk(2, 0)[rank] if sp else X).clone().requires_grad_()
+        y = row(col(x))
+        y.backward(G.chunk(2, 0)[rank] if sp else G)
+        want_y = ry.chunk(2, 0)[rank] if sp else ry
+        want_gx = rgx.chunk(2, 0)[rank] if sp else rgx
+        out[f"sp{int(sp)}"] = {
+            "y": (y - want_y).abs().max().item(),
+            "gx": (x.grad - want_gx).abs().max().item(),
+            "gw1": (col.weight.grad - rgw1.chunk(2, 0)[rank]).abs().max().item(),
+            "gw2": (row.weight.grad - rgw2.chunk(2, 1)[rank]).abs().max().item(),
+            "tp_attr": [col.weight.tensor_model_parallel, col.weight.partition_dim, row.weight.partition_dim],
+        }
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.multiproc
+def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -> None:
+    script = tmp_path / "tp2.py"
+    script.write_text(TP2_SCRIPT)
+    res = torchrun(str(script), 2, timeout=240, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in res.stdout.splitlines() if "RESULT " in line]
+    assert len(rows) == 2, res.stdout[-2000:]
+    for row in rows:
+        for sp, d in row.items():
+            assert d["tp_attr"] == [True, 0, 1], d
+            for key in ("y", "gx", "gw1", "gw2"):
+                assert d[key] <= 1e-5, f"{sp} {key}: {d[key]}"

@@ -1,0 +1,102 @@
+"""Stock ``pretrain_gpt.py`` with Megatron's defaults (no ``--transformer-impl``): the portable Transformer Engine.
+
+Needs a Megatron-LM checkout in ``MEGATRON_LM_ROOT`` (skipped otherwise, with the reason);
+``make test-stock`` runs it. Megatron's default ``--transformer-impl transformer_engine`` builds the
+GPT layers from ``transformer_engine.pytorch``, which portspeed serves (``portspeed/portable_te``)
+off CUDA.
+
+One TE-spec TP1 run trains 3 iterations and saves a checkpoint (its keys are the TE spec's:
+``linear_qkv.layer_norm_weight``, ``_extra_state``: checked). Every run then fine-tunes 10
+iterations from it (``--load --finetune``):
+
+- the TE-spec runs TP2, PP2, DP2, TP2 + sequence parallel and TP2xPP2 must equal the TE-spec TP1
+  run within 1e-5 per iteration (fp32);
+- the local-spec TP1 run (``--transformer-impl local``) must equal the TE-spec TP1 run within 1e-5:
+  the same initial weights come from the same checkpoint, with no conversion step, because
+  Megatron's local GPT layer spec maps its norm keys onto the TE spec's in the distributed
+  checkpoint (``sharded_state_dict_keys_map``: ``input_layernorm.`` ->
+  ``self_attention.linear_qkv.layer_norm_``, ``pre_mlp_layernorm.`` -> ``mlp.linear_fc1.layer_norm_``),
+  and the TE modules' ``_extra_state`` entries are not asked for by the local model.
+
+The TE runs must say the portable Transformer Engine is in use; the local run must not.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.stock import SKIP_REASON, run_stock_gpt
+
+from portspeed.parity.losslog import parse_megatron_log
+
+pytestmark = [pytest.mark.megatron, pytest.mark.stock,
+              pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
+
+TOLERANCE = 1e-5  # absolute, per iteration, fp32
+ITERS = 10
+USED = "uses portspeed's portable Transformer Engine"
+
+#: name -> (processes, extra flags)
+LAYOUTS = {
+    "tp2": (2, ("--tensor-model-parallel-size", "2")),
+    "pp2": (2, ("--pipeline-model-parallel-size", "2")),
+    "dp2": (2, ()),
+    "tp2sp": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
+    "tp2pp2": (4, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
+}
+
+
+def _losses(text: str) -> dict[int, float]:
+    out = {i.iteration: i.lm_loss for i in parse_megatron_log(text).iterations}
+    assert len(out) == ITERS, f"expected {ITERS} logged iterations, got {sorted(out)}"
+    return out
+
+
+def _checkpoint_keys(path: Path) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+@pytest.fixture(scope="module")
+def te_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("stock_te")
+    ckpt = work / "ckpt"
+    run_stock_gpt(1, work / "save.log", "--train-iters", "3", "--eval-interval", "1000", "--save", str(ckpt),
+                  "--save-interval", "3", transformer_impl=None)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    finetune = ("--train-iters", str(ITERS), "--eval-interval", "1000", "--load", str(ckpt), "--finetune")
+    text = run_stock_gpt(1, work / "te_tp1.log", *finetune, transformer_impl=None)
+    return {"work": work, "ckpt": ckpt, "finetune": finetune, "text": text, "losses": _losses(text)}
+
+
+def _compare(ref: dict[int, float], got: dict[int, float], what: str) -> None:
+    bad = [(k, ref[k], got[k]) for k in ref if abs(ref[k] - got[k]) > TOLERANCE]
+    assert not bad, f"{what}: iterations outside {TOLERANCE} of the TE-spec TP1 run: {bad}"
+
+
+def test_te_spec_checkpoint_and_log(te_run: dict) -> None:
+    """The default run built TE-spec layers (checkpoint keys) from the portable TE (one log line)."""
+    assert USED in te_run["text"]
+    keys = _checkpoint_keys(te_run["ckpt"] / "iter_0000003")
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert any(k.startswith("decoder.layers.mlp.linear_fc1._extra_state") for k in keys)
+    assert not any("input_layernorm" in k for k in keys)
+
+
+def test_local_spec_equals_te_spec(te_run: dict) -> None:
+    """--transformer-impl local from the same checkpoint: the same losses within 1e-5; nothing served."""
+    text = run_stock_gpt(1, te_run["work"] / "local_tp1.log", *te_run["finetune"], transformer_impl="local")
+    assert USED not in text
+    _compare(te_run["losses"], _losses(text), "local spec TP1")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_te_spec_layouts_equal_tp1(te_run: dict, layout: str) -> None:
+    """No --transformer-impl flag, TP2 / PP2 / DP2 / TP2+SP / TP2xPP2: equal to TE-spec TP1 within 1e-5."""
+    nproc, flags = LAYOUTS[layout]
+    text = run_stock_gpt(nproc, te_run["work"] / f"te_{layout}.log", *te_run["finetune"], *flags,
+                         transformer_impl=None)
+    assert USED in text
+    _compare(te_run["losses"], _losses(text), f"TE spec {layout}")
