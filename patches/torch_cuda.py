@@ -1,6 +1,7 @@
 """Tensor / Module device methods that name CUDA, translated for framework callers only.
 
-``x.cuda()``, ``x.to("cuda")``, ``module.cuda()`` and ``t.type() == 'torch.cuda.FloatTensor'``
+``x.cuda()``, ``x.to("cuda")``, ``x.new_empty(..., device=torch.cuda.current_device())``, ``module.cuda()``
+and ``t.type() == 'torch.cuda.FloatTensor'``
 live on torch's classes, out of reach of the scoped torch view, so they are patched here
 (``Tensor.to`` and ``Tensor.type`` are replaced by plain functions calling torch's C methods,
 because torch itself calls them constantly and a wrapt wrapper costs ~1.5 us per call; the
@@ -99,6 +100,20 @@ def _tensor_cuda(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     return instance.to(target, non_blocking=non_blocking)
 
 
+def _tensor_new(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Tensor.new_empty(size, *, device=...): a CUDA ``device`` from a framework caller is the adapter's device.
+
+    Megatron's all-to-all-v (``tensor_parallel.mappings._AllToAll``, the MoE token dispatcher)
+    allocates its output with ``device=torch.cuda.current_device()``: an int, which torch reads as
+    the CUDA (or current accelerator) index, so off CUDA the call raised "Cannot access
+    accelerator device when none is available" (CPU) or reached the CUDA runtime (CUDA build).
+    """
+    d = kwargs.get("device") if kwargs else None
+    if d is not None and names_cuda(d) and caller_is_framework(2):
+        kwargs = dict(kwargs, device=translate_device(d))
+    return wrapped(*args, **kwargs)
+
+
 def _module_cuda(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Module.cuda(device=None): from framework code, move parameters and buffers to the adapter's device."""
     if not caller_is_framework(2):
@@ -151,6 +166,10 @@ PATCHES: list[Patch] = [
     Patch(name="torch.tensor_to", target="torch:Tensor.to", impl=tensor_to, reason=_REASON_TO, **_COMMON_R),
     Patch(name="torch.tensor_cuda", target="torch:Tensor.cuda", impl=_tensor_cuda,
           reason="framework code calls tensor.cuda(); on another adapter the tensor goes to its device",
+          **_COMMON),
+    Patch(name="torch.tensor_new_empty", target="torch:Tensor.new_empty", impl=_tensor_new,
+          reason="Megatron's all-to-all-v (MoE token dispatch with expert parallelism) allocates with "
+          "tensor.new_empty(device=torch.cuda.current_device()); on another adapter that index is its device",
           **_COMMON),
     Patch(name="torch.module_to", target="torch.nn:Module.to", impl=_to, reason=_REASON_TO, **_COMMON),
     Patch(name="torch.module_cuda", target="torch.nn:Module.cuda", impl=_module_cuda,

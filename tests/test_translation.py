@@ -58,6 +58,10 @@ MODULE_SRC = textwrap.dedent('''
     def sampling_generator():
         # as Megatron's text-generation controller makes its sampling generator
         return torch.Generator(device=torch.cuda.current_device())
+
+    def alloc_like(x, n):
+        # as Megatron's all-to-all-v (MoE token dispatch) allocates its output
+        return x.new_empty(size=[n], dtype=x.dtype, device=torch.cuda.current_device())
 ''')
 
 
@@ -370,12 +374,16 @@ def test_tensor_and_module_methods_translate_for_framework_callers_only(scoped) 
         assert fw.make().device.type == "cpu"
         m = torch.nn.Linear(2, 2)
         assert fw.module_cuda(m) is m
+        assert fw.alloc_like(x, 3).device.type == "cpu" and fw.alloc_like(x, 3).shape == (3,)
+        assert x.new_empty(4).device.type == "cpu"  # no device named: torch's own behaviour
         # the same calls from ordinary code keep torch's behaviour, errors included
         assert plain.type_str(x) == "torch.FloatTensor"
         with pytest.raises((AssertionError, RuntimeError), match="CUDA|NVIDIA driver"):
             plain.move(x)
         with pytest.raises((AssertionError, RuntimeError)):
             plain.to_cuda(x, "cuda")
+        with pytest.raises((AssertionError, RuntimeError)):
+            plain.alloc_like(x, 3)
         assert x.to(torch.float16).dtype == torch.float16  # fast path: nothing names CUDA
     finally:
         mgr.revert()
