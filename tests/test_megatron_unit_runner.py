@@ -71,6 +71,16 @@ def test_deselected_like_megatron_ci():
     raise AssertionError("experimental tests need Megatron's --experimental flag; the runner deselects them")
 '''
 
+#: a test file in a folder without __init__.py: pytest imports it under its bare name, not under ``tests.``
+ROOTLESS = '''
+import torch
+
+
+def test_bare_module_is_translated_too():
+    assert __name__ == "test_rootless"
+    assert torch.cuda.device_count() >= 1
+'''
+
 CONFTEST = '''
 def pytest_configure(config):
     for m in ("experimental", "flaky", "flaky_in_dev"):
@@ -88,6 +98,8 @@ def fake_checkout(tmp_path: Path) -> Path:
     (unit / "conftest.py").write_text(CONFTEST)
     (unit / "test_utilities.py").write_text(textwrap.dedent(UTILITIES))
     (unit / "test_fake.py").write_text(textwrap.dedent(FAKE_TESTS))
+    (unit / "rootless").mkdir()
+    (unit / "rootless" / "test_rootless.py").write_text(textwrap.dedent(ROOTLESS))
     return root
 
 
@@ -99,12 +111,13 @@ def _env() -> dict[str, str]:
 def test_runner_translates_the_tests_package_and_counts(fake_checkout: Path, tmp_path: Path) -> None:
     out = tmp_path / "outcomes.json"
     res = run_python(["-m", "portspeed.cli", "megatron-tests", "--root", str(fake_checkout), "--nproc-per-node", "2",
-                      "--timeout", "150", "--log-dir", str(tmp_path / "logs"), "--json", str(out), "test_fake.py"],
+                      "--timeout", "150", "--log-dir", str(tmp_path / "logs"), "--json", str(out), "tests/unit_tests"],
                      timeout=180, env=_env(), drop=["PORTSPEED_FRAMEWORK_MODULES"])
     res.check()
     [got] = json.loads(out.read_text())
-    assert got["target"] == "tests/unit_tests/test_fake.py" and got["returncode"] == 0 and not got["timed_out"]
-    assert got["counts"] == {"passed": 2, "skipped": 1, "deselected": 1}, got
+    assert got["target"] == "tests/unit_tests" and got["returncode"] == 0 and not got["timed_out"]
+    assert got["counts"] == {"passed": 3, "skipped": 1, "deselected": 1}, got
+    assert got["files"]["tests/unit_tests/rootless/test_rootless.py"]["passed"] == 1, got["files"]
     # every rank ran the file (rank 1's log too), each with its own pytest summary
     rank1 = list((tmp_path / "logs").glob("**/1/stdout.log"))
     assert rank1 and megatron_tests.parse_counts(rank1[0].read_text()) == got["counts"]
@@ -139,8 +152,9 @@ def test_bad_inputs_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
 
 
 def test_child_env_scopes_tests_to_the_run(tmp_path: Path) -> None:
-    env = megatron_tests.child_env(tmp_path, {"PORTSPEED_FRAMEWORK_MODULES": "mine", "PYTHONPATH": "/a"})
-    assert env["PORTSPEED_FRAMEWORK_MODULES"] == "mine,tests"
+    env = megatron_tests.child_env(tmp_path, {"PORTSPEED_FRAMEWORK_MODULES": "mine", "PYTHONPATH": "/a"},
+                                   modules=["test_bare"])
+    assert env["PORTSPEED_FRAMEWORK_MODULES"] == "mine,tests,test_bare"
     assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/a"]
     assert "tests" not in os.environ.get("PORTSPEED_FRAMEWORK_MODULES", "")
 

@@ -14,7 +14,8 @@ three things must hold, and this command makes them hold for that run only:
 2. the ``tests`` package gets the torch.cuda translation that ``megatron.*`` gets: the
    ranks run with ``tests`` added to ``PORTSPEED_FRAMEWORK_MODULES`` (set here, in the
    children's environment, never globally: another project's ``tests`` package is not a
-   framework module);
+   framework module), and so do the test modules pytest imports under their bare names
+   (those in folders without ``__init__.py``, such as ``distributed/``: ``rootless_modules``);
 3. the checkout is the working directory and the first entry of ``PYTHONPATH``, as in
    Megatron's container, so ``import tests.unit_tests...`` and ``import megatron`` resolve
    to the checkout.
@@ -53,7 +54,7 @@ from portspeed.accelerator.scope import FRAMEWORK_ENV
 from portspeed.errors import PortspeedError
 from portspeed.testing.pytest_rank_report import REPORT_ENV
 
-__all__ = ["CI_MARKERS", "EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command", "main",
+__all__ = ["CI_MARKERS", "EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command", "rootless_modules", "main",
            "parse_counts", "resolve_targets"]
 
 #: modules Megatron's unit-test conftest and fixtures import beyond megatron-core and pytest
@@ -167,11 +168,29 @@ def resolve_targets(root: Path, targets: list[str]) -> list[str]:
     return out
 
 
-def child_env(root: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The ranks' environment: the checkout first on PYTHONPATH, ``tests`` a framework module, one thread."""
+def rootless_modules(root: Path, target: str) -> list[str]:
+    """Names pytest gives the test modules of ``target`` that lie in a folder without ``__init__.py``.
+
+    pytest's default import mode imports such a file under its bare name (``test_finalize_model_grads``,
+    its folder put on sys.path), not under ``tests.``: Megatron's ``distributed/`` has no
+    ``__init__.py``, so its modules must be named to be framework modules too.
+    """
+    path = root / target.partition("::")[0]
+    files = [path] if path.is_file() else sorted(path.rglob("*.py"))
+    names = []
+    for f in files:
+        is_test = f.name.startswith("test_") or f.name.endswith("_test.py") or f.name == "conftest.py"
+        if is_test and not (f.parent / "__init__.py").exists() and f.stem.isidentifier():
+            names.append(f.stem)
+    return list(dict.fromkeys(names))
+
+
+def child_env(root: Path, base: dict[str, str] | None = None, modules: list[str] = ()) -> dict[str, str]:
+    """The ranks' environment: the checkout first on PYTHONPATH, ``tests`` (and ``modules``) framework
+    modules, one thread."""
     env = dict(os.environ if base is None else base)
     named = [n.strip() for n in env.get(FRAMEWORK_ENV, "").split(",") if n.strip()]
-    env[FRAMEWORK_ENV] = ",".join(dict.fromkeys(named + ["tests"]))
+    env[FRAMEWORK_ENV] = ",".join(dict.fromkeys(named + ["tests", *modules]))
     env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
@@ -226,7 +245,7 @@ def run_target(root: Path, target: str, args: argparse.Namespace, pytest_args: l
     cmd = launch_command(target, args.nproc_per_node, log_dir, args.markers, pytest_args)
     print(f"portspeed megatron-tests: {target} on {args.nproc_per_node} ranks (logs: {log_dir})", flush=True)
     start = time.monotonic()
-    env = child_env(root)
+    env = child_env(root, modules=rootless_modules(root, target))
     env[REPORT_ENV] = str(log_dir / "report")
     proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
     timed_out = False
