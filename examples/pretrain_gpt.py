@@ -14,7 +14,7 @@ must print the same losses. ``--fail-at RANK:ITER`` makes one rank die there (fa
 Parity tooling: ``--layer-stats ITER --layer-stats-out FILE`` records per-module activation
 and gradient statistics of iteration ITER (``portspeed compare --layers A B``); the loss
 record's ``meta["router_rewrites"]`` holds ``portspeed.comm.stats()`` (collectives the
-router rewrote because the backend lacks them), also printed at the end.
+router rewrote because the backend lacks them), also printed at the end as a sentence (``portspeed.comm.explain``).
 ``--plant-divergence ITER`` is TEST-ONLY (portspeed.testing.plant): it makes training
 wrong on purpose from ITER on, so tests can prove the tools catch it.
 """
@@ -24,7 +24,6 @@ import portspeed.megatron_adaptor  # noqa: F401  (first: translation + patches b
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import sys
@@ -353,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if recorder is not None:
         recorder.close()
     if report:
-        print(f"router rewrites: {json.dumps(ps_comm.stats(), sort_keys=True)}", flush=True)
+        print(ps_comm.explain(), flush=True)  # which collectives the backend lacked and how each was rewritten
     if args.save:
         save_checkpoint(args, model, optimizer, end)
     dist.barrier()

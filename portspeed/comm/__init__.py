@@ -33,6 +33,7 @@ _PUBLIC = {
     "use_capabilities": ".groups",
     "RewriteWork": ".work",
     "stats": ".rewrites",
+    "explain": ".rewrites",
     "reset_stats": ".rewrites",
     "reset": ".router",
     "Capabilities": ".capabilities",

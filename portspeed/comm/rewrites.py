@@ -43,7 +43,7 @@ from portspeed.comm.capabilities import Gap, op_type
 from portspeed.comm.work import complete, nothing, run
 from portspeed.errors import CollectiveUnsupportedError
 
-__all__ = ["Call", "LADDERS", "RULES", "rewrite", "stats", "reset_stats"]
+__all__ = ["Call", "LADDERS", "RULES", "rewrite", "stats", "explain", "reset_stats"]
 
 log = logging.getLogger("portspeed.comm.router")
 
@@ -283,6 +283,30 @@ def stats() -> dict[str, dict[str, Any]]:
     """Per collective: how many calls were rewritten, and by which rewrite."""
     with _stats_lock:
         return {k: {"rewrites": sum(c.values()), "by": dict(c)} for k, c in sorted(_STATS.items()) if c}
+
+
+#: what each rewrite does, in words (``explain``)
+_HOW: dict[str, str] = {
+    "upcast": "the dtype was upcast to one the backend reduces, then cast back",
+    "avg_as_sum": "AVG ran as SUM, then a division by the group size",
+    "premul_as_scale_sum": "PREMUL_SUM ran as a scaling, then SUM",
+    "via_all_gather": "ran as an all_gather and a local reduction",
+    "via_all_reduce_slice": "ran as an all_reduce and a slice of this rank's part",
+    "via_reduce_scatter_tensor": "the list form ran as reduce_scatter_tensor on one flat buffer",
+    "via_all_to_all_single": "the list form ran as all_to_all_single on one flat buffer",
+}
+
+
+def explain(counts: dict[str, dict[str, Any]] | None = None) -> str:
+    """``stats()`` (or a saved copy) as a sentence: which collectives the backend lacked and how each was rewritten."""
+    counts = stats() if counts is None else counts
+    if not counts:
+        return "router rewrites: none needed (the backend ran every collective as requested)"
+    parts = []
+    for collective, entry in sorted(counts.items()):
+        for how, n in sorted(entry.get("by", {}).items()):
+            parts.append(f"{collective} x{n}: {_HOW.get(how, how)}")
+    return "router rewrites: the backend lacked some collectives; " + "; ".join(parts)
 
 
 def reset_stats() -> None:
