@@ -186,7 +186,27 @@ def collect() -> dict[str, Any]:
     if acc is not None:
         report["capabilities"] = _capabilities(acc)
     report["patch_sets"] = _patch_sets(settings, acc)
+    report["transformer_engine"] = _transformer_engine(report["patch_sets"])
     return report
+
+
+#: the patch that serves portspeed's portable Transformer Engine (patches/megatron/core_portable_te.py)
+PORTABLE_TE_PATCH = "megatron.core.transformer_engine.portable"
+
+
+def _transformer_engine(sets: list[dict[str, Any]]) -> str:
+    """Which Transformer Engine Megatron's TE path gets here, in one line."""
+    from portspeed.portable_te import serve
+
+    nvidia = serve.nvidia_installed()
+    if nvidia is not None:
+        return f"NVIDIA transformer_engine {nvidia} (installed; portspeed's portable one stays off)"
+    state = next((r for s in sets for r in s.get("patches", []) if r["name"] == PORTABLE_TE_PATCH), None)
+    if state is None:
+        return "none (the Megatron patch set is not loaded)"
+    if state["state"] in ("applied", "pending"):
+        return serve.describe()
+    return f"none: the portable Transformer Engine is {state['state']} ({state['detail']})"
 
 
 # ----------------------------------------------------------------------------- text output
@@ -205,6 +225,8 @@ def render(report: dict[str, Any]) -> str:
     out += _table([[k, v] for k, v in report["versions"].items()])
     for name, line in report.get("gate_versions", {}).items():
         out.append(f"  gates read: {line}")
+    if "transformer_engine" in report:
+        out.append(f"  transformer engine: {report['transformer_engine']}")
     if "settings_error" in report:
         out += ["", f"SETTINGS ERROR: {report['settings_error']}"]
     out += ["", "adapters:"]
