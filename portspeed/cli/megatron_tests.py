@@ -26,7 +26,7 @@ pytest summary; every rank's output is kept under ``--log-dir``). Unlike Megatro
 (``-x``), a failing test does not stop the file (``--maxfail`` is raised) and a module that
 cannot be imported (one needing NVIDIA's Transformer Engine, say) does not stop its
 folder (``--continue-on-collection-errors``; it counts as an error), so the counts cover
-every file; the tests Megatron's CI marks flaky run too (``--markers`` chooses); ``--timeout`` bounds each launch and a launch that runs past it is
+every file; the tests Megatron's CI leaves out (experimental, flaky) are left out (``--markers``); ``--timeout`` bounds each launch and a launch that runs past it is
 killed and reported as such. Options after ``--`` go to pytest as they are.
 
 Example (the make target ``megatron-unit-tests`` installs the extra packages first)::
@@ -54,17 +54,17 @@ from portspeed.accelerator.scope import FRAMEWORK_ENV
 from portspeed.errors import PortspeedError
 from portspeed.testing.pytest_rank_report import REPORT_ENV
 
-__all__ = ["CI_MARKERS", "EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command", "rootless_modules", "main",
-           "parse_counts", "resolve_targets"]
+__all__ = ["CI_MARKERS", "EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command",
+           "main", "parse_counts", "resolve_targets", "rootless_modules"]
 
 #: modules Megatron's unit-test conftest and fixtures import beyond megatron-core and pytest
 #: (-> the ``megatron-tests`` extra): module name -> distribution
 EXTRA_MODULES: dict[str, str] = {"click": "click", "requests": "requests", "pytest_mock": "pytest-mock"}
-#: the default selection: every test but the experimental ones (those need Megatron's --experimental flag).
-#: Megatron's CI (run_ci_test.sh) also leaves out the tests it marks flaky ("lts") or flaky_in_dev ("dev");
-#: CI_MARKERS is that selection, for --markers.
-MARKERS = "not experimental"
+#: the default selection, Megatron CI's (run_ci_test.sh): no experimental tests (they need Megatron's
+#: --experimental flag), none it marks flaky ("lts" environment) or flaky_in_dev ("dev"). A flaky test that
+#: fails on some ranks leaves the others waiting in a collective until the launch's timeout.
 CI_MARKERS = "not experimental and not flaky and not flaky_in_dev"
+MARKERS = CI_MARKERS
 UNIT_TESTS = Path("tests") / "unit_tests"
 REPORT_PLUGIN = "portspeed.testing.pytest_rank_report"
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b")
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, metavar="DIR",
                    help="every rank's stdout/stderr, per target (default: a fresh folder under /tmp)")
     p.add_argument("--markers", default=MARKERS,
-                   help=f"pytest -m expression (default: {MARKERS!r}; Megatron's CI uses {CI_MARKERS!r})")
+                   help=f"pytest -m expression (default, as Megatron's CI: {MARKERS!r}); 'not experimental' "
+                   "adds the tests Megatron marks flaky")
     p.add_argument("--json", default=None, metavar="FILE", help="write the outcomes as JSON")
     return p
 
