@@ -8,12 +8,20 @@ code or signal, and whether the group was restarted.
 ``watch_failures()`` observes the agent's own monitoring in this launcher process only
 (the result of ``LocalElasticAgent._monitor_workers``, read, never changed; put back on
 exit); the workers and the training script are untouched.
+
+It also reaps what a dead worker left behind. torchrun starts each worker in its own process
+group and, after a failure, signals the groups of the workers still running, not of the one
+that died. A worker that dies hard (killed, ``os._exit``) leaves its helpers orphaned: Megatron's
+checkpoint writer, for one, starts a multiprocessing Manager (``filesystem_async``) that then
+runs forever, holding the launcher's output pipes open. So the process group of every failed
+worker is sent SIGKILL as soon as the agent reports it (found in a fault test of this issue).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import socket
 from typing import Any, Iterator
@@ -44,6 +52,21 @@ def describe(f: Failure) -> str:
     return f"rank {f.rank} (local rank {f.local_rank} on {f.host}) {f.why()}"
 
 
+def _reap(pid: int) -> None:
+    """SIGKILL what is left of the process group a failed worker led (its pid is its group's id)."""
+    if pid <= 0 or not hasattr(os, "killpg"):
+        return
+    try:
+        if os.getpgid(pid) != pid:  # the worker still runs and is not a group leader: nothing of ours
+            return
+    except ProcessLookupError:
+        pass  # the worker is gone; its group lives on while any member does
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @contextlib.contextmanager
 def watch_failures() -> Iterator[list[Failure]]:
     """Collect every failed worker the local agent sees, attempt by attempt, while the block runs."""
@@ -64,6 +87,7 @@ def watch_failures() -> Iterator[list[Failure]]:
             for rank, failure in sorted(result.failures.items(), key=order):
                 seen.append(Failure(attempt, int(rank), int(failure.local_rank), int(failure.exitcode),
                                     socket.gethostname()))
+                _reap(int(failure.pid))
         return result
 
     LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
