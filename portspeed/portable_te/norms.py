@@ -42,10 +42,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_ga
 class _Norm(PortableModule):
     _has_bias = True
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+    def __init__(self, normalized_shape: int | None = None, eps: float = 1e-5, sequence_parallel: bool = False,
                  params_dtype: torch.dtype | None = None, zero_centered_gamma: bool = False,
-                 device: Any = None, **unsupported: Any) -> None:
+                 device: Any = None, hidden_size: int | None = None, **unsupported: Any) -> None:
         super().__init__()
+        # TE 2.x names the size normalized_shape (megatron-core 0.19 passes that); older callers hidden_size
+        size = normalized_shape if normalized_shape is not None else hidden_size
+        if size is None:
+            raise TypeError("LayerNorm / RMSNorm need normalized_shape (or hidden_size)")
+        if isinstance(size, (tuple, list)):
+            if len(size) != 1:
+                raise ValueError(f"normalized_shape {size!r}: only the last dimension can be normalised")
+            size = size[0]
+        hidden_size = int(size)
         for name, value in unsupported.items():
             refuse_if(value, f"the Transformer Engine norm option {name}={value!r}", f"do not pass {name}")
         dtype = params_dtype or torch.get_default_dtype()

@@ -4,7 +4,8 @@ The decision: ``transformer_engine`` is served only
 
 1. to the Megatron modules that build or query the TE layers (``IMPORTERS``: the TE
    extension, the TE spec provider, the GPT / MoE layer specs, and ``megatron.core.utils``,
-   whose ``get_te_version`` answers ``is_te_min_version``), through the scoped import the
+   whose ``get_te_version`` answers ``is_te_min_version``), and to a module that already holds
+   ``HAVE_TE = True`` imported from one of them (it was told TE is there before asking), through the scoped import the
    translation gives framework modules; it is never put in ``sys.modules``, so every other
    Megatron module (``tensor_parallel.random``, ``moe_utils``, the optimizers, ``fp8_utils``,
    the transformer block, ...) keeps its ``HAVE_TE = False`` path, and other libraries
@@ -87,8 +88,12 @@ def served_import(name: str, globals: Any, fromlist: Any, level: int) -> Any:
     """The replacement of ``translation.served_import``: the portable module for IMPORTERS, else None."""
     if level != 0 or not (name == _TOP or name.startswith(_TOP + ".")):
         return None
-    importer = globals.get("__name__") if isinstance(globals, dict) else None
-    if importer not in IMPORTERS or not requested():
+    if not isinstance(globals, dict):
+        return None
+    # an importer outside IMPORTERS is served only when it already holds HAVE_TE = True taken from a served
+    # module (megatron-core 0.19's moe/shared_experts.py: `from ...transformer_engine import HAVE_TE`, then
+    # `if HAVE_TE: import transformer_engine`); modules that probe for TE themselves have no HAVE_TE yet
+    if (globals.get("__name__") not in IMPORTERS and globals.get("HAVE_TE") is not True) or not requested():
         return None
     modules = tree()
     mod = modules.get(name)
