@@ -22,12 +22,26 @@ LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/tes
                tests/test_router.py tests/test_collective_conformance.py tests/test_selection.py \
                tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
                tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py tests/test_megatron_refusals.py
-LEG1_MARKS  := not cuda_build and not faults
-LEG2_MARKS  := not cpu_wheel and not testdev and not stock
+LEG1_MARKS  := not cuda_build and not ds_more and not faults
+LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 
-.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock stock-tests megatron-unit-tests test-faults bench clean
+.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock stock-tests megatron-unit-tests bench clean \
+        sysdeps ds-ops test-deepspeed-more
 
-$(STAMP): pyproject.toml $(CONSTRAINTS)
+## Debian packages the DeepSpeed tests need: Open MPI (mpirun, and the library mpi4py loads) for
+## DeepSpeed's MPI discovery, libaio-dev for its async I/O op (ZeRO-Infinity). Installed when missing
+## (as root, with apt-get); anything else fails here naming the command to run.
+SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev libaio-dev
+sysdeps:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages: $$missing"; \
+	    apt-get install -y --no-install-recommends $$missing || { apt-get update && apt-get install -y --no-install-recommends $$missing; } || \
+	      { echo "could not install $$missing with apt-get; install them (apt-get install -y $$missing) and re-run make"; exit 2; }; \
+	  else echo "missing Debian packages: $$missing; install them as root: apt-get install -y $$missing"; exit 2; fi; fi
+
+$(STAMP): pyproject.toml $(CONSTRAINTS) | sysdeps
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the rest must not pull another torch
 	$(PY) -m pip install -q torch==2.13.0
@@ -36,6 +50,14 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+## DeepSpeed's host ops, JIT-built once into a cache inside the venv (torch's TORCH_EXTENSIONS_DIR,
+## which the tests set for every run): CPU Adam (ZeRO-Offload), async I/O (ZeRO-Infinity; needs
+## libaio-dev), pinned memory, and the shared-memory comm kernel stock DeepSpeed's CPU accelerator
+## loads (the stock baseline). The venv installs DeepSpeed with DS_BUILD_OPS=0; a no-op once built.
+DS_OPS_DIR  = $(abspath $(VENV))/torch_extensions
+ds-ops: $(STAMP)
+	TORCH_EXTENSIONS_DIR=$(DS_OPS_DIR) OMP_NUM_THREADS=1 $(PY) -m portspeed.integrations.ds_build
 
 ## The test device (a C++ PrivateUse1 device, not hardware): compiled against the installed torch,
 ## cached in the venv; a no-op (about a second) when the sources did not change.
@@ -50,11 +72,12 @@ demo: $(STAMP) testdev
 test: test-leg1 test-leg2
 
 ## Leg 1: the whole suite on $(PYTHON) with the CPU torch wheel and megatron-core 0.16.1.
-test-leg1: $(STAMP) testdev
+test-leg1: $(STAMP) testdev ds-ops
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "$(LEG1_MARKS)"
 
 ## Leg 2: Python 3.12, PyPI torch (CUDA build, no GPU), megatron-core 0.19.2, DeepSpeed 0.19.8.
 test-leg2: venv312
+	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt ds-ops
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m "$(LEG2_MARKS)" $(LEG2_TESTS)
 
 venv312:
@@ -92,6 +115,12 @@ megatron-unit-tests: $(STAMP)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[megatron-tests]"
 	OMP_NUM_THREADS=1 $(PY) -m portspeed.cli megatron-tests --root "$(MEGATRON_LM_ROOT)" --nproc-per-node $(NPROC) \
 	    --timeout 1800 $(FILES)
+
+## The longer DeepSpeed checks (not in CI): ZeRO-3 on 4 ranks, the pipeline engine (2 stages, 2x2 on
+## 4 ranks, resume, activation checkpointing), ZeRO-Infinity (nvme), the `deepspeed` launcher,
+## stock DeepSpeed's own failures on CPU.
+test-deepspeed-more: $(STAMP) testdev ds-ops
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m ds_more tests/test_deepspeed_more.py
 
 ## Checkpoints and faults of the example trainer (cross-layout resume, crash during save, restart after a
 ## dead rank, two nodes on one machine): ~6 minutes on 2 cores, so by hand, not CI (docs/reliability.md).
