@@ -5,9 +5,13 @@ The script is unmodified DeepSpeed usage; the only portspeed line is the adaptor
 Every rank sees the same global batch of ``--global-batch`` samples per step and trains on
 its slice, so per-step losses are comparable across world sizes.
 
-Several runs (``--runs 0:fp32,3:bf16,2:fp32:offload``: ZeRO stage, dtype, and optionally
-ZeRO-Offload of the optimizer to the host) go through one process group, one fresh model and
-engine each. Rank 0 writes a JSON record::
+Several runs (``--runs 0:fp32,3:bf16,2:fp32:offload+adam``: ZeRO stage, dtype, and options:
+where ZeRO keeps its state: ``offload`` the optimizer on the host (ZeRO-Offload),
+``offload_param`` the ZeRO-3 parameters and optimizer on the host, ``nvme`` both on disk
+under ``--nvme-dir`` through DeepSpeed's async I/O op (ZeRO-Infinity); ``sgd`` or ``adam``
+(DeepSpeed's Adam: ``DeepSpeedCPUAdam`` when offloaded); ``overflow`` (fp16, which uses
+dynamic loss scaling: step ``--overflow-at`` overflows and must be skipped)) go through one
+process group, one fresh model and engine each. Rank 0 writes a JSON record::
 
     {"world_size": 2, "backend": "gloo", "ds_accelerator": "PortspeedCpuAccelerator",
      "routes": [...], "runs": {"2:fp32": {"start_step": 0, "losses": [...]}, ...}}
@@ -16,7 +20,8 @@ Launch on 2 CPU ranks::
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 examples/deepspeed_train.py --runs 2:fp32 --out losses.json
 
-Without a launcher's environment (RANK, WORLD_SIZE, ...) it runs as one process.
+Without a launcher's environment (RANK, WORLD_SIZE, ...) it runs as one process, unless
+it was started by ``mpirun``: DeepSpeed's own MPI discovery then fills the environment.
 """
 
 from __future__ import annotations
@@ -27,24 +32,47 @@ import json
 import os
 import socket
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 STAGES = (0, 1, 2, 3)
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp16")
+#: where ZeRO keeps optimizer state / parameters: "" (with the model), and the stage each needs at least
+OFFLOADS = {"offload": 1, "offload_param": 3, "nvme": 3}
+#: the dtype's torch name, for the inputs
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def parse_runs(text: str) -> list[tuple[int, str, bool]]:
-    """Parse ``"0:fp32,3:bf16:offload"`` into [(0, "fp32", False), (3, "bf16", True)], or raise naming the bad item."""
+class Run(NamedTuple):
+    """One ``--runs`` item: ZeRO stage, dtype, where ZeRO keeps its state, optimizer, planted overflow."""
+
+    key: str
+    stage: int
+    dtype: str
+    where: str
+    optimizer: str | None  # None: --optimizer
+    overflow: bool
+
+
+def parse_runs(text: str) -> list[Run]:
+    """Parse ``"0:fp32,3:bf16:offload+adam"`` into Runs, or raise naming the bad item."""
     out = []
     for item in (t.strip() for t in text.split(",") if t.strip()):
         stage, sep, rest = item.partition(":")
-        dtype, _, flag = rest.partition(":")
-        if (not sep or not stage.isdigit() or int(stage) not in STAGES or dtype not in DTYPES
-                or flag not in ("", "offload") or (flag and int(stage) == 0)):
+        dtype, _, opts = rest.partition(":")
+        words = [w for w in opts.split("+") if w]
+        where = [w for w in words if w in OFFLOADS]
+        optimizer = [w for w in words if w in ("sgd", "adam")]
+        bad = (not sep or not stage.isdigit() or int(stage) not in STAGES or dtype not in DTYPES
+               or len(where) > 1 or len(optimizer) > 1 or len(words) != len(set(words))
+               or any(w not in OFFLOADS and w not in ("sgd", "adam", "overflow") for w in words)
+               or (where and int(stage) < OFFLOADS[where[0]]) or ("overflow" in words and dtype != "fp16"))
+        if bad:
             raise argparse.ArgumentTypeError(
-                f"--runs item {item!r} must be STAGE:DTYPE[:offload] with STAGE in {STAGES} and DTYPE in {DTYPES} "
-                "(offload: ZeRO stage 1-3), e.g. '0:fp32,3:bf16,2:fp32:offload'")
-        out.append((int(stage), dtype, flag == "offload"))
+                f"--runs item {item!r} must be STAGE:DTYPE[:OPTIONS] with STAGE in {STAGES}, DTYPE in {DTYPES} and "
+                "OPTIONS '+'-joined from: offload (ZeRO 1-3), offload_param or nvme (ZeRO-3); sgd or adam; overflow "
+                "(fp16); e.g. '0:fp32,3:bf16,2:fp32:offload+adam,2:fp16:overflow'")
+        out.append(Run(item, int(stage), dtype, where[0] if where else "", optimizer[0] if optimizer else None,
+                       "overflow" in words))
     if not out:
         raise argparse.ArgumentTypeError("--runs needs at least one STAGE:DTYPE item")
     return out
@@ -53,8 +81,17 @@ def parse_runs(text: str) -> list[tuple[int, str, bool]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=parse_runs, default=parse_runs("2:fp32"),
-                   help="comma-separated ZeRO_STAGE:DTYPE[:offload] runs (default 2:fp32); offload keeps the "
-                        "optimizer state and step on the host")
+                   help="comma-separated ZeRO_STAGE:DTYPE[:OPTIONS] runs (default 2:fp32); OPTIONS joined by '+': "
+                        "offload (optimizer state and step on the host), offload_param (ZeRO-3: parameters too), "
+                        "nvme (ZeRO-3: both on disk under --nvme-dir); sgd / adam (else --optimizer); overflow "
+                        "(fp16: step --overflow-at overflows)")
+    p.add_argument("--nvme-dir", default=None, help="directory for nvme runs (a local disk)")
+    p.add_argument("--overflow-at", type=int, default=2,
+                   help="the step (from 0) whose scaled gradients overflow in 'overflow' runs (it must be skipped)")
+    p.add_argument("--fp16-stage0-as-is", action="store_true",
+                   help="ZeRO-0 fp16: leave DeepSpeed 0.19.8's unscaled loss as it is (shows the upstream bug)")
+    p.add_argument("--dist-port", type=int, default=29500,
+                   help="port DeepSpeed's MPI discovery gives MASTER_PORT (under mpirun)")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
     p.add_argument("--global-batch", type=int, default=8, help="samples per step over all ranks")
     p.add_argument("--seed", type=int, default=1234)
@@ -79,9 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: variables mpirun (Open MPI, MPICH / Hydra) sets: DeepSpeed's MPI discovery then fills the rest
+MPI_ENV = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}
+
+
 def _single_process_env() -> None:
     """Give a launcher-less run the environment a launcher would set, for one rank on 127.0.0.1."""
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ or MPI_ENV & set(os.environ):
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -118,8 +159,9 @@ def make_model(seed: int) -> Any:
 BUCKET = 1 << 16
 
 
-def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: bool = False,
-              adam_lr: float | None = None) -> dict[str, Any]:
+def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: str = "",
+              adam_lr: float | None = None, nvme_dir: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of one run; ``offload``: "", "offload", "offload_param" or "nvme" (see --runs)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": BUCKET,
@@ -128,20 +170,34 @@ def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: bo
         # 0: ZeRO-3 partitions every parameter (the default, 1e5, keeps this small model whole)
         "stage3_param_persistence_threshold": 0,
     }
-    if offload:
+    if offload == "nvme":
+        if not nvme_dir:
+            raise SystemExit("an nvme run needs --nvme-dir (a directory on a local disk)")
+        # buffers of BUCKET elements: above the largest parameter (4,096), far below the default 1e8
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "buffer_count": 5, "buffer_size": BUCKET}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_dir}
+    elif offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+        if offload == "offload_param":
+            zero["offload_param"] = {"device": "cpu"}
     config: dict[str, Any] = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": global_batch // world,
         "gradient_accumulation_steps": 1,
         "zero_optimization": zero,
-        # with offload: the client SGD steps the host partitions (no JIT-built DeepSpeedCPUAdam)
+        # with offload and the client SGD: it steps the host partitions (Adam runs get DeepSpeedCPUAdam)
         "zero_force_ds_cpu_optimizer": False,
         "bf16": {"enabled": dtype == "bf16"},
+        # fp16: dynamic loss scaling (loss_scale 0) from 2**16; hysteresis 1: the first overflow halves the scale in
+        # ZeRO-1/2 too, as ZeRO-0 always does (DeepSpeed's default 2 holds it once)
+        "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "hysteresis": 1},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if offload == "nvme":
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 8, "single_submit": False, "overlap_events": True,
+                         "thread_count": 1}
     if adam_lr is not None:
         config["optimizer"] = {"type": "Adam", "params": {"lr": adam_lr, "torch_adam": not offload}}
     return config
@@ -165,27 +221,44 @@ def megatron_mpu() -> Any:
     )
 
 
-def train_run(args: argparse.Namespace, stage: int, dtype: str, offload: bool, data: tuple[Any, Any],
-              mpu: Any = None) -> dict[str, Any]:
-    """One engine: train (or resume), return the global per-step losses."""
+def _loss_scale(engine: Any) -> float | None:
+    """DeepSpeed's current fp16 loss scale (None without loss scaling)."""
+    opt = engine.optimizer
+    # ZeRO's optimizers keep it in a loss_scaler; the ZeRO-0 fp16 optimizers in a loss_scale_config
+    holder = getattr(opt, "loss_scaler", None) or getattr(opt, "loss_scale_config", None)
+    return float(holder.cur_scale) if holder is not None else None
+
+
+def _param_sum(engine: Any) -> float:
+    """A float64 checksum of the rank's full module parameters (ZeRO 0-2 keep them whole on every rank)."""
+    import torch
+
+    with torch.no_grad():
+        return float(sum(p.detach().double().abs().sum().item() for p in engine.module.parameters()))
+
+
+def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: Any = None) -> dict[str, Any]:
+    """One engine: train (or resume), return the global per-step losses (fp16: loss scales and skips too)."""
     import deepspeed
     import torch
     import torch.distributed as dist
 
+    stage, dtype, offload = run.stage, run.dtype, run.where
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
     micro = args.global_batch // world
     model = make_model(args.seed)
-    if args.optimizer == "sgd":
+    if (run.optimizer or args.optimizer) == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu,
-                                               config=ds_config(stage, dtype, args.global_batch, world, offload))
+        config = ds_config(stage, dtype, args.global_batch, world, offload, nvme_dir=args.nvme_dir)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu, config=config)
     else:
-        config = ds_config(stage, dtype, args.global_batch, world, offload, adam_lr=args.lr / 5)
+        config = ds_config(stage, dtype, args.global_batch, world, offload, adam_lr=args.lr / 5,
+                           nvme_dir=args.nvme_dir)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
                                                config=config)
-    tag = f"zero{stage}_{dtype}" + ("_offload" if offload else "")
+    tag = "zero" + run.key.replace(":", "_").replace("+", "_")
     start = 0
     if args.resume_from:
         path, _ = engine.load_checkpoint(args.resume_from, tag=tag)
@@ -193,29 +266,44 @@ def train_run(args: argparse.Namespace, stage: int, dtype: str, offload: bool, d
             raise SystemExit(f"no checkpoint {tag!r} under {args.resume_from}; save one with --save-dir first")
         start = args.save_at
     x, y = data
-    in_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    losses = []
+    in_dtype = getattr(torch, TORCH_DTYPES[dtype])
+    losses: list[float] = []
+    fp16: dict[str, list[Any]] = {"scale": [], "skipped": [], "param_sum": []}
     for step in range(start, args.steps):
         xb = x[step, rank * micro:(rank + 1) * micro].to(engine.device, in_dtype)
         yb = y[step, rank * micro:(rank + 1) * micro].to(engine.device)
         loss = torch.nn.functional.mse_loss(engine(xb).float(), yb)
-        engine.backward(loss)
+        if dtype == "fp16" and stage == 0 and not args.fp16_stage0_as_is:
+            # DeepSpeed 0.19.8's engine.backward scales the loss for ZeRO optimizers only, while its ZeRO-0
+            # fp16 optimizer divides the gradients by the loss scale (upstream PR deepspeedai/DeepSpeed#8393,
+            # open): without this the ZeRO-0 fp16 updates are 2**16 times too small. Same product as the PR.
+            loss_for_backward = loss * _loss_scale(engine)
+        else:
+            loss_for_backward = loss
+        # the planted overflow: the loss is scaled by 2**16 and more, its fp16 gradients become inf
+        engine.backward(loss_for_backward * 1e30 if run.overflow and step == args.overflow_at else loss_for_backward)
         engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
+        if dtype == "fp16":
+            fp16["scale"].append(_loss_scale(engine))
+            fp16["skipped"].append(int(engine.skipped_steps))
+            fp16["param_sum"].append(_param_sum(engine) if stage < 3 else None)
         if args.save_dir and step + 1 == args.save_at:
             engine.save_checkpoint(args.save_dir, tag=tag)
     params = list(engine.module.parameters())
     placement = {
         "param_device": str(params[0].device),
+        # ZeRO-3: where this rank's slice of a parameter lives (offload_param: the host)
+        "partition_device": str(params[0].ds_tensor.device) if hasattr(params[0], "ds_tensor") else None,
         "optimizer": type(engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer")
                           else engine.optimizer).__name__,
         # ZeRO-3: how many parameters this rank holds only a slice of (the rest gathered on use)
         "partitioned_params": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),
     }
     engine.destroy()
-    return {"start_step": start, "losses": losses, **placement}
+    return {"start_step": start, "losses": losses, **placement, **({"fp16": fp16} if dtype == "fp16" else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,18 +324,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.torch_dist_first:
         dist.init_process_group(args.dist_backend or "gloo")
-    deepspeed.init_distributed(dist_backend=args.dist_backend)
+    deepspeed.init_distributed(dist_backend=args.dist_backend, distributed_port=args.dist_port)
     data = make_data(args)
     record: dict[str, Any] = {
         "world_size": dist.get_world_size(),
         "backend": str(dist.get_backend()),
         "ds_accelerator": type(deepspeed.accelerator.get_accelerator()).__name__,
+        "mpi_launched": bool(MPI_ENV & set(os.environ)),
         "runs": {},
     }
     mpu = megatron_mpu() if args.megatron else None
-    for stage, dtype, offload in args.runs:
-        key = f"{stage}:{dtype}" + (":offload" if offload else "")
-        record["runs"][key] = train_run(args, stage, dtype, offload, data, mpu)
+    for run in args.runs:
+        record["runs"][run.key] = train_run(args, run, data, mpu)
     if not args.no_portspeed:
         import portspeed
         import portspeed.comm

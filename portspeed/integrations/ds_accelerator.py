@@ -45,7 +45,7 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from portspeed.accelerator import Accelerator
-from portspeed.integrations.ds_op_builders import COMM_OP_BUILDERS, HOST_OP_BUILDERS, unavailable_builder
+from portspeed.integrations.ds_op_builders import COMM_OP_BUILDERS, HOST_OP_BUILDERS, host_builder, unavailable_builder
 
 __all__ = ["AdapterBacked", "HOST_OP_BUILDERS", "PortspeedCpuAccelerator", "PortspeedAccelerator",
            "build_ds_accelerator"]
@@ -209,7 +209,8 @@ class PortspeedCpuAccelerator(AdapterBacked, CPU_Accelerator):
         # group; portspeed keeps every collective on the adapter's routed backend.
         if class_name in COMM_OP_BUILDERS:
             return None
-        return CPU_Accelerator.get_op_builder(self, class_name)
+        builder = CPU_Accelerator.get_op_builder(self, class_name)
+        return host_builder(builder) if builder is not None else None
 
     def device_count(self) -> int:
         local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
@@ -325,7 +326,7 @@ class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
 
     def get_op_builder(self, class_name: str) -> type:
         if class_name in HOST_OP_BUILDERS:
-            return CPU_Accelerator.get_op_builder(self, class_name)
+            return host_builder(CPU_Accelerator.get_op_builder(self, class_name))
         builder = self._unavailable.get(class_name)
         if builder is None:
             builder = self._unavailable[class_name] = unavailable_builder(class_name, self._adapter)

@@ -20,7 +20,7 @@ from typing import Any
 from portspeed.accelerator import Accelerator
 from portspeed.errors import PortspeedError
 
-__all__ = ["COMM_OP_BUILDERS", "HOST_OP_BUILDERS", "unavailable_builder"]
+__all__ = ["COMM_OP_BUILDERS", "HOST_OP_BUILDERS", "host_builder", "unavailable_builder"]
 
 #: DeepSpeed op builders whose kernels do collectives themselves, bypassing torch.distributed.
 COMM_OP_BUILDERS = frozenset({"ShareMemCommBuilder", "CCLCommBuilder"})
@@ -30,6 +30,36 @@ COMM_OP_BUILDERS = frozenset({"ShareMemCommBuilder", "CCLCommBuilder"})
 #: on host (offloaded) partitions, NVMe async I/O, page-locked host buffers.
 HOST_OP_BUILDERS = frozenset({"CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder",
                               "PinMemoryBuilder"})
+
+
+#: what to install when a host op cannot be built (DeepSpeed's own error names no package)
+INSTALL_HINTS = {
+    "AsyncIOBuilder": "DeepSpeed's async I/O op (ZeRO-Infinity's NVMe offload) needs libaio's headers and library: "
+                      "on Debian/Ubuntu run `apt-get install -y libaio-dev` as root (portspeed's set-up: `make "
+                      "sysdeps`), elsewhere libaio's development package; then run again (the op is JIT-built)",
+}
+_hinted: dict[type, type] = {}
+
+
+def host_builder(builder: type) -> type:
+    """DeepSpeed's host builder class, or (for ``INSTALL_HINTS``) a subclass whose ``load`` fails naming what to install.
+
+    DeepSpeed's own ``load`` on a machine without libaio raises "Unable to JIT load the async_io
+    op due to it not being compatible due to hardware/software issue. None", which says
+    neither what is missing nor how to get it.
+    """
+    hint = INSTALL_HINTS.get(builder.__name__)
+    if hint is None:
+        return builder
+    if builder not in _hinted:
+        def load(self: Any, verbose: bool = True) -> Any:
+            if not self.is_compatible(verbose=False):
+                raise PortspeedError(f"cannot build DeepSpeed's {builder.__name__} on this machine. {hint}")
+            return builder.load(self, verbose=verbose)
+
+        _hinted[builder] = type(builder.__name__, (builder,), {"load": load, "__module__": builder.__module__,
+                                                                "__doc__": host_builder.__doc__})
+    return _hinted[builder]
 
 
 def unavailable_builder(class_name: str, adapter: Accelerator) -> type:
