@@ -47,3 +47,32 @@ def test_router_gating_runs_without_transformer_engine_and_the_fix_is_gated() ->
         assert "te_general_gemm" in control.get("error", ""), control
     else:
         assert out["status"] == "inactive" and out["bound"] is True, out
+
+
+SPLITS_PROBE = textwrap.dedent(
+    """
+    import json, torch
+    import portspeed, portspeed.megatron_adaptor
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
+    counts = torch.tensor([73, 66])
+    host = token_dispatcher.maybe_move_tensor_to_cpu(counts, as_numpy=True)  # the dispatcher's own binding
+    out = {"type": type(host).__module__ + "." + type(host).__name__, "values": [int(v) for v in host],
+           "tensor_kept": torch.is_tensor(maybe_move_tensor_to_cpu(counts)),
+           "status": next(p["status"] for p in portspeed.report() if p["name"] == "megatron.core.moe.host_splits")}
+    host[0] = 0
+    out["copied"] = int(counts[0]) == 73
+    print(json.dumps(out))
+    """
+)
+
+
+def test_all_to_all_split_sizes_reach_the_host_as_numbers() -> None:
+    """The dispatcher's split sizes come back as a NumPy copy off CUDA, as from a CUDA tensor (all_to_all_single
+    rejects tensors); without the patch they stay tensors."""
+    out = child_json(SPLITS_PROBE, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu"}, drop=("PORTSPEED_*",))
+    assert out == {"type": "numpy.ndarray", "values": [73, 66], "tensor_kept": True, "status": "applied",
+                   "copied": True}, out
+    control = child_json(SPLITS_PROBE, timeout=300, drop=("PORTSPEED_*",),
+                         env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_DISABLE": "megatron.core.moe.host_splits"})
+    assert control["type"] == "torch.Tensor" and control["status"] == "disabled", control
