@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -133,9 +133,9 @@ class CpuAccelerator(Accelerator):
     def default_stream(self, index: int | None = None) -> NullStream:
         return _DEFAULT_STREAM
 
-    @contextlib.contextmanager
-    def stream(self, stream: Any) -> Iterator[Any]:
-        yield stream
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """A no-op block; re-enterable like ``torch.cuda.StreamContext`` (Megatron's DDP enters one twice)."""
+        return contextlib.nullcontext(stream)
 
     def memory_allocated(self, index: int | None = None) -> int:
         return 0

@@ -243,20 +243,7 @@ class PrivateUse1Accelerator(Accelerator):
         """Make ``stream`` current inside the block (None: no change), restoring stream and device after."""
         if not self._runtime():
             return self.module.stream(stream)
-        return self._accelerator_stream(stream)
-
-    @contextlib.contextmanager
-    def _accelerator_stream(self, stream: Any) -> Iterator[Any]:
-        if stream is None:
-            yield None
-            return
-        device, prev = self.current_device(), torch.accelerator.current_stream(stream.device_index)
-        torch.accelerator.set_stream(stream)  # also makes the stream's device current
-        try:
-            yield stream
-        finally:
-            torch.accelerator.set_stream(prev)
-            torch.accelerator.set_device_index(device)
+        return _AcceleratorStream(self, stream)
 
     # -- memory ----------------------------------------------------------------------------
     def _accelerator_memory(self) -> bool:
@@ -317,3 +304,26 @@ class PrivateUse1Accelerator(Accelerator):
         except UnknownBackendError:
             backend = None
         return f"<{type(self).__name__} name={self.name!r} device_type={self.device_type!r} backend={backend!r}>"
+
+
+class _AcceleratorStream:
+    """``stream`` current inside the block through ``torch.accelerator``, then the previous stream and device.
+
+    A class, not a generator: like ``torch.cuda.StreamContext`` the same object may be entered
+    again after it exits (Megatron's DDP enters one ``stream_context`` twice per grad sync).
+    """
+
+    def __init__(self, acc: Any, stream: Any) -> None:
+        self.acc, self.stream, self.saved = acc, stream, []
+
+    def __enter__(self) -> Any:
+        if self.stream is not None:
+            self.saved.append((self.acc.current_device(), torch.accelerator.current_stream(self.stream.device_index)))
+            torch.accelerator.set_stream(self.stream)  # also makes the stream's device current
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stream is not None:
+            device, prev = self.saved.pop()
+            torch.accelerator.set_stream(prev)
+            torch.accelerator.set_device_index(device)

@@ -174,3 +174,15 @@ def test_a_real_megatron_unit_test_file(tmp_path: Path) -> None:
     res.check()
     [got] = json.loads(out.read_text())
     assert got["counts"].get("passed", 0) >= 7 and not got["counts"].get("failed"), got
+
+
+def test_the_cpu_adapters_stream_block_can_be_entered_again() -> None:
+    """Megatron's DDP enters one ``stream_context`` twice per grad sync (test_param_and_grad_buffer.py's
+    test_grad_sync with several distributed-optimizer instances); torch.cuda.StreamContext allows it."""
+    from portspeed.adapters.cpu import CpuAccelerator
+
+    acc = CpuAccelerator()
+    block = acc.stream(acc.current_stream())
+    for _ in range(2):
+        with block as s:
+            assert s is acc.current_stream()
