@@ -19,11 +19,15 @@ The linear layers have no bias (``--disable-bias-linear``), as MoE checkpoints s
 modifying that view in place ("Output 0 of _ReduceFromModelParallelRegion is a view and is
 being modified inplace"). Not portspeed's to patch: it is Megatron's own bug on every device.
 
-Tolerance: both the lm loss and the load-balancing loss within ``TOLERANCE`` of the one-rank
-run per iteration. Routing is a top-k over router probabilities, so a token whose top-2
-and top-3 probabilities tie to within the layouts' reduction-order noise (~1e-7 relative in
-fp32) could go to another expert and move the loss by far more than that noise; the band
-is what was measured with headroom, and docs/megatron.md records the observed figures.
+Tolerance: both the lm loss and the load-balancing loss within 1e-5 of the one-rank run per
+iteration, the dense fp32 band. Measured (core_v0.16.1 and core_v0.19.0, docs/megatron.md):
+equal to the log's precision (|d| <= 1e-6) in both layouts, every iteration. Routing is a
+top-k over router probabilities, so a token whose 2nd and 3rd expert probabilities tie to
+within the layouts' reduction-order noise (~1e-7 relative in fp32) could go to another expert
+in one layout; that would move the loss by a token's share of a different expert output
+(orders of magnitude above 1e-5), so a flip fails this test instead of hiding in a wide band.
+None happened here; should one appear with another seed or model, compare the router
+probabilities of that iteration before widening the band.
 """
 
 from __future__ import annotations
