@@ -23,6 +23,7 @@ import signal
 import struct
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -53,12 +54,14 @@ MODULES = ("argparse", "collections", "functools", "itertools", "json", "logging
 def write_corpus(path: Path) -> int:
     """One JSON line per docstring of MODULES and their public members; returns the number of documents."""
     docs: list[str] = []
-    for name in MODULES:
-        mod = importlib.import_module(name)
-        for obj in [mod, *(getattr(mod, a) for a in sorted(vars(mod)) if not a.startswith("_"))]:
-            doc = inspect.getdoc(obj) if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj) else None
-            if doc and len(doc) > 200 and doc not in docs:
-                docs.append(doc)
+    with warnings.catch_warnings():  # typing.io / typing.re warn that they are deprecated when read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in MODULES:
+            mod = importlib.import_module(name)
+            for obj in [mod, *(getattr(mod, a) for a in sorted(vars(mod)) if not a.startswith("_"))]:
+                doc = inspect.getdoc(obj) if inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj) else None
+                if doc and len(doc) > 200 and doc not in docs:
+                    docs.append(doc)
     random.Random(0).shuffle(docs)
     with open(path, "w") as f:
         for doc in docs:
