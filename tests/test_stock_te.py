@@ -19,6 +19,9 @@ iterations from it (``--load --finetune``):
   and the TE modules' ``_extra_state`` entries are not asked for by the local model.
 
 The TE runs must say the portable Transformer Engine is in use; the local run must not.
+
+bf16 (``--bf16``, from the same checkpoint): the TE-spec TP2 run and the local-spec TP1 run are
+each within 2e-3 of the TE-spec TP1 run, the band the local spec's TP2-vs-TP1 bf16 test uses.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.stock,
               pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")]
 
 TOLERANCE = 1e-5  # absolute, per iteration, fp32
+BF16_TOLERANCE = 2e-3  # the local spec's bf16 band (tests/test_stock_more_layouts.py)
 ITERS = 10
 USED = "uses portspeed's portable Transformer Engine"
 
@@ -71,9 +75,10 @@ def te_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"work": work, "ckpt": ckpt, "finetune": finetune, "text": text, "losses": _losses(text)}
 
 
-def _compare(ref: dict[int, float], got: dict[int, float], what: str) -> None:
-    bad = [(k, ref[k], got[k]) for k in ref if abs(ref[k] - got[k]) > TOLERANCE]
-    assert not bad, f"{what}: iterations outside {TOLERANCE} of the TE-spec TP1 run: {bad}"
+def _compare(ref: dict[int, float], got: dict[int, float], what: str, tol: float = TOLERANCE) -> None:
+    print(f"{what}: max |lm loss - TE-spec TP1| = {max(abs(ref[k] - got[k]) for k in ref):.2e}")  # figures, -rP
+    bad = [(k, ref[k], got[k]) for k in ref if abs(ref[k] - got[k]) > tol]
+    assert not bad, f"{what}: iterations outside {tol} of the TE-spec TP1 run: {bad}"
 
 
 def test_te_spec_checkpoint_and_log(te_run: dict) -> None:
@@ -100,3 +105,14 @@ def test_te_spec_layouts_equal_tp1(te_run: dict, layout: str) -> None:
                          transformer_impl=None)
     assert USED in text
     _compare(te_run["losses"], _losses(text), f"TE spec {layout}")
+
+
+def test_bf16_te_spec_within_the_local_band(te_run: dict) -> None:
+    """--bf16: TE-spec TP2 and local-spec TP1 within 2e-3 of TE-spec TP1."""
+    work, flags = te_run["work"], (*te_run["finetune"], "--bf16")
+    ref = _losses(run_stock_gpt(1, work / "te_bf16_tp1.log", *flags, transformer_impl=None))
+    tp2 = _losses(run_stock_gpt(2, work / "te_bf16_tp2.log", *flags, "--tensor-model-parallel-size", "2",
+                                transformer_impl=None))
+    local = _losses(run_stock_gpt(1, work / "local_bf16_tp1.log", *flags, transformer_impl="local"))
+    _compare(ref, tp2, "bf16 TE spec TP2", BF16_TOLERANCE)
+    _compare(ref, local, "bf16 local spec TP1", BF16_TOLERANCE)
