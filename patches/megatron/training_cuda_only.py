@@ -52,7 +52,8 @@ def _context_parallel(args: Any, adapter: str) -> list[str]:
         return []
     return [f"--context-parallel-size {cp}: context parallelism needs Transformer Engine's attention "
             f"(TEDotProductAttention); Megatron's local DotProductAttention asserts a context-parallel size of 1, "
-            f"and {_te_missing(adapter)}. Use --context-parallel-size 1 and split the model with tensor, "
+            f"and {_te_missing(adapter)} (portspeed's portable Transformer Engine does not do context "
+            f"parallelism either). Use --context-parallel-size 1 and split the model with tensor, "
             f"pipeline or data parallelism"]
 
 
