@@ -24,7 +24,6 @@ from helpers.launch import torchrun
 from portspeed.errors import UnsupportedOptionError
 from portspeed.portable_te import attention, linear, namespace, norms, rng
 
-
 ATOL = 1e-6
 
 
