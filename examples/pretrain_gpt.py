@@ -174,13 +174,30 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     resume_point(args)
 
 
+def _attempt_store(timeout: float) -> dict[str, Any]:
+    """After a torchrun restart: the agent's store under a prefix of this attempt (else the env:// default).
+
+    torchrun's agent keeps one store for every attempt and workers use it unprefixed, so a
+    restarted group can read the addresses the dead group published (Gloo: 'Connection
+    refused'). A prefix per TORCHELASTIC_RESTART_COUNT keeps the attempts apart.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or "MASTER_ADDR" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and
+                          os.environ["RANK"] == "0", timeout=datetime.timedelta(seconds=timeout))
+    return {"store": dist.PrefixStore(f"attempt_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 def init_distributed(args: argparse.Namespace) -> None:
     """torch.distributed on the adapter's backend, then Megatron's model-parallel groups."""
     acc = get_accelerator()
     acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = ps_config.settings().timeout
     dist.init_process_group(backend=args.backend or acc.communication_backend,
-                            timeout=datetime.timedelta(seconds=timeout))
+                            timeout=datetime.timedelta(seconds=timeout), **_attempt_store(timeout))
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp,
