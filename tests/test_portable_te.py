@@ -237,3 +237,19 @@ def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -
             assert d["tp_attr"] == [True, 0, 1], d
             for key in ("y", "gx", "gw1", "gw2"):
                 assert d[key] <= 1e-5, f"{sp} {key}: {d[key]}"
+
+
+@pytest.mark.parametrize("field, flag", [("fp8", "--fp8-format"), ("fp4", "--fp4-format"),
+                                         ("cpu_offloading", "--cpu-offloading"), ("tp_comm_overlap", "--tp-comm-overlap")])
+def test_megatron_config_options_applied_outside_the_layers_are_refused(field: str, flag: str) -> None:
+    """Megatron's TE wrappers set self.config before TE's __init__; fp8 etc. there are refused, not ignored."""
+    import types
+
+    class Wrapper(linear.Linear):  # as megatron's TELinear: config first, then TE's constructor
+        def __init__(self, config: object) -> None:
+            self.config = config
+            super().__init__(8, 8, device="cpu")
+
+    Wrapper(types.SimpleNamespace())  # nothing asked: builds
+    with pytest.raises(UnsupportedOptionError, match=flag.replace("-", r"\-")):
+        Wrapper(types.SimpleNamespace(**{field: "hybrid" if field == "fp8" else True}))

@@ -132,3 +132,14 @@ def test_moe_te_spec_ep2_equals_ep1(tmp_path: Path) -> None:
     ep2 = _losses(run_stock_gpt(2, tmp_path / "ep2.log", *finetune, "--expert-model-parallel-size", "2",
                                 transformer_impl=None))
     _compare(ep1, ep2, "MoE TE spec EP2 (vs EP1)")
+
+
+def test_fp8_is_refused_at_start_up(tmp_path: Path) -> None:
+    """--fp8-format on the portable TE stops the run before the first step, naming the flag (never ignored)."""
+    log = tmp_path / "fp8.log"
+    with pytest.raises(AssertionError, match="failed"):
+        run_stock_gpt(1, log, "--train-iters", "2", "--eval-interval", "1000", "--fp8-format", "hybrid",
+                      transformer_impl=None)
+    text = log.read_text()
+    assert "fp8 training (--fp8-format) is not implemented by portspeed's portable Transformer Engine" in text
+    assert "lm loss" not in text

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from .base import PortableModule
+from .base import PortableModule, check_config
 from .refuse import refuse, refuse_if
 
 __all__ = ["DotProductAttention", "attention_reference"]
@@ -62,6 +62,7 @@ class DotProductAttention(PortableModule):
                  get_rng_state_tracker: Callable | None = None, tp_group: Any = None, layer_number: int | None = None,
                  attention_type: str = "self", softmax_scale: float | None = None, **options: Any) -> None:
         super().__init__()
+        check_config(self)
         for key in ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"):
             refuse_if(options.pop(key, None) not in (None, "p2p"),
                       "context parallelism in Transformer Engine attention (--context-parallel-size > 1)",

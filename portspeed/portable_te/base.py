@@ -61,3 +61,26 @@ class PortableModule(torch.nn.Module):
             _said.add("extra_state")
             log.warning("portspeed: a checkpoint's Transformer Engine _extra_state (fp8 scaling metadata) is not "
                         "used by the portable Transformer Engine, which has no fp8")
+
+
+#: Megatron config field -> (option, how to avoid it): options Megatron applies outside the TE layers (fp8 through
+#: fp8_utils, which does not see the portable TE), so the layers must refuse them or they would be ignored
+CONFIG_REFUSALS: dict[str, tuple[str, str]] = {
+    "fp8": ("fp8 training (--fp8-format)", "drop --fp8-format"),
+    "fp4": ("fp4 training (--fp4-format)", "drop --fp4-format"),
+    "fp8_param": ("fp8 parameters (--fp8-param-gather)", "drop --fp8-param-gather"),
+    "tp_comm_overlap": ("tensor-parallel communication overlap with userbuffers (--tp-comm-overlap)",
+                        "drop --tp-comm-overlap"),
+    "cpu_offloading": ("CPU offload hooks (--cpu-offloading)", "drop --cpu-offloading"),
+}
+
+
+def check_config(module: Any) -> None:
+    """Refuse what the Megatron config of a TE wrapper (``self.config``, set before TE's __init__) asks for."""
+    from .refuse import refuse_if
+
+    config = module.__dict__.get("config")
+    if config is None:
+        return
+    for field, (option, avoid) in CONFIG_REFUSALS.items():
+        refuse_if(getattr(config, field, None), option, avoid)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .base import PortableModule, resolve_device, set_tp_attributes
+from .base import PortableModule, check_config, resolve_device, set_tp_attributes
 from .norms import layer_norm, rms_norm
 from .refuse import refuse, refuse_if
 
@@ -166,6 +166,7 @@ class Linear(_ParallelLinear):
                  parallel_mode: str | None = None, device: Any = None, rng_tracker_name: str | None = None,
                  **options: Any) -> None:
         super().__init__()
+        check_config(self)
         _check_options(options)
         self.ub_name = options.get("ub_name")
         self._init_linear(in_features, out_features, bias=bias, return_bias=return_bias, parallel_mode=parallel_mode,
@@ -191,6 +192,7 @@ class LayerNormLinear(_ParallelLinear):
                  zero_centered_gamma: bool = False, device: Any = None, rng_tracker_name: str | None = None,
                  **options: Any) -> None:
         super().__init__()
+        check_config(self)
         _check_options(options)
         if normalization not in ("LayerNorm", "RMSNorm"):
             refuse(f"normalization={normalization!r}", "use --normalization LayerNorm or RMSNorm")
