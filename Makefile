@@ -99,7 +99,7 @@ test-stock:
 stock-tests: $(STAMP)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[stock]"
 	$(PY) -m portspeed.testing.testdev build
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py tests/test_megatron_unit_runner.py \
 	    tests/test_stock_testdev.py tests/test_stock_llama.py tests/test_megatron_refusals.py tests/test_stock_moe.py \
 	    tests/test_stock_fp16.py tests/test_stock_dataset.py
 
