@@ -11,7 +11,8 @@ uninterrupted run of the same layout from the same initial checkpoint:
 - two nodes: two `portspeed run` agents (static rendezvous, --node-rank 0/1) on this machine,
   TP2 inside each node and DP2 across, equal to the one-node run of 4 ranks.
 
-Slow (about 6 minutes on 2 busy cores): `make test-faults`, not CI. No timed assertions: each
+Slow (15 minutes on the 2 cores shared with other jobs; the restart test alone 40 s when they were quiet):
+`make test-faults`, not CI. No timed assertions: each
 run is bounded by its subprocess timeout only; measured figures are in docs/reliability.md.
 """
 
