@@ -59,7 +59,10 @@ def test_zero_infinity_nvme_equals_stock_and_cpu_offload(tmp_path: Path) -> None
     assert ported["runs"][key]["losses"] == stock["runs"][key]["losses"]
     _assert_within(ported["runs"][key]["losses"], cpu["runs"]["3:fp32:offload_param+adam"]["losses"], key,
                    "nvme vs cpu offload")
-    assert any((tmp_path / "nvme_p").rglob("*.swp")), "nothing was swapped to the nvme directory"
+    # DeepSpeed deletes its swap files at teardown; the per-rank swap folders stay
+    swap = tmp_path / "nvme_p" / "zero_stage_3"
+    assert (swap / "optimizer" / "rank0").is_dir() and (swap / "float32params" / "rank0").is_dir(), \
+        "DeepSpeed did not swap to the nvme directory"
 
 
 # ---------------------------------------------------------------------- stock DeepSpeed's own limits on CPU
