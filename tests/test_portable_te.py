@@ -230,7 +230,10 @@ def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -
     script.write_text(TP2_SCRIPT)
     res = torchrun(str(script), 2, timeout=240, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in res.stdout.splitlines() if "RESULT " in line]
+    # the two ranks share one stdout: a line may carry both results (print writes the text and the newline
+    # apart), so every "RESULT " marker is decoded where it stands
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
     assert len(rows) == 2, res.stdout[-2000:]
     for row in rows:
         for sp, d in row.items():

@@ -21,4 +21,5 @@ if "portspeed.megatron_adaptor" in sys.modules:
 
 script = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
 sys.argv = [str(script), *sys.argv[1:]]
+sys.path.insert(0, str(script.parent))  # as `python examples/pretrain_gpt.py` would: its sibling modules import
 runpy.run_path(str(script), run_name="__main__")
