@@ -162,6 +162,100 @@ def test_extra_state_round_trip() -> None:
     torch.testing.assert_close(other.weight, lin.weight, atol=0, rtol=0)
 
 
+def test_attention_loads_without_its_extra_state_as_transformer_engine() -> None:
+    """TE's DotProductAttention keeps ``_extra_state`` in ``state_dict()`` but may load without it; the linears may not.
+
+    Megatron's ``TEDotProductAttention.sharded_state_dict`` leaves the attention out of distributed
+    checkpoints, so a strict load from one has no ``core_attention._extra_state`` (the Megatron round trip
+    below).
+    """
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.core_attention = attention.DotProductAttention(4, 8)
+            self.linear_proj = linear.Linear(8, 8, init_method=_init, device="cpu")
+
+    layer = Layer()
+    sd = layer.state_dict()
+    assert "core_attention._extra_state" in sd and sd["core_attention._extra_state"].numel() == 0
+    del sd["core_attention._extra_state"]
+    assert layer.load_state_dict(sd).missing_keys == []          # strict: raises if the key were still missing
+    del sd["linear_proj._extra_state"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*linear_proj\._extra_state"):
+        layer.load_state_dict(sd)                                 # only the attention's key may be absent
+    seen = []
+    layer.core_attention.set_extra_state = seen.append            # present: still handed to set_extra_state
+    layer.load_state_dict({**sd, "core_attention._extra_state": torch.empty(0, dtype=torch.uint8)}, strict=False)
+    assert len(seen) == 1
+
+
+MEGATRON_TE_SPEC_ROUND_TRIP = """
+import json, sys
+sys.argv = ["te_spec_round_trip"]                     # no --transformer-impl: Megatron's default, the TE path
+import portspeed.megatron_adaptor
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{PORT}")
+from megatron.core import dist_checkpointing, parallel_state as ps
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+ps.initialize_model_parallel(1, 1)
+
+def build(seed):
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(), vocab_size=32,
+                    max_sequence_length=8)
+
+src = build(1)
+attn = src.decoder.layers[0].self_attention.core_attention
+out = {"attention": [c.__module__ + "." + c.__name__ for c in type(attn).__mro__[:2]]}
+sharded = src.sharded_state_dict()
+out["sharded_extra"] = sorted(k for k in sharded if k.endswith("_extra_state"))
+out["state_dict_extra"] = sorted(k for k in src.state_dict() if k.endswith("_extra_state"))
+dist_checkpointing.save(sharded, CKPT)
+dst = build(2)
+before = max((a - b).abs().max().item() for a, b in zip(src.parameters(), dst.parameters()))
+loaded = dist_checkpointing.load(dst.sharded_state_dict(), CKPT)
+result = dst.load_state_dict(loaded)                  # strict, as Megatron's checkpointing loads
+out["missing"], out["unexpected"] = result.missing_keys, result.unexpected_keys
+out["diff_before"] = before
+out["diff_after"] = max((a - b).abs().max().item() for a, b in zip(src.parameters(), dst.parameters()))
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.megatron
+def test_megatron_te_spec_gpt_dist_checkpoint_round_trip(tmp_path: Path) -> None:
+    """A TE-spec GPT (portable TE) saved and loaded through Megatron's dist_checkpointing, loaded strictly.
+
+    This is what 22 tests of Megatron's ``dist_checkpointing/models/test_gpt_model.py`` do; before the fix
+    every one failed with "Missing key(s) in state_dict: decoder.layers.N.self_attention.core_attention._extra_state".
+    """
+    from helpers.launch import child_json, free_port
+    from helpers.requires import require
+
+    require("megatron.core", "pip install -e '.[megatron]'")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    code = f"PORT = {free_port()}\nCKPT = {str(ckpt)!r}\n" + MEGATRON_TE_SPEC_ROUND_TRIP
+    out = child_json(code, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert out["attention"] == ["megatron.core.extensions.transformer_engine.TEDotProductAttention",
+                                "portspeed.portable_te.attention.DotProductAttention"], out["attention"]
+    layers = ("decoder.layers.0.", "decoder.layers.1.")
+    attn = {p + "self_attention.core_attention._extra_state" for p in layers}
+    linears = {p + m + "._extra_state" for p in layers
+               for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
+    output = {"output_layer._extra_state"}  # Megatron's own ColumnParallelLinear (None; not in the sharded dict)
+    assert set(out["state_dict_extra"]) == attn | linears | output, out["state_dict_extra"]
+    assert set(out["sharded_extra"]) == linears, "Megatron's sharded state dict: the linears' extra state, not the attention's"
+    assert out["missing"] == [] and out["unexpected"] == []
+    assert out["diff_before"] > 0 and out["diff_after"] == 0
+
+
 @pytest.mark.parametrize("build, flag", [
     (lambda: linear.Linear(8, 8, ub_overlap_ag=True), "--tp-comm-overlap"),
     (lambda: linear.Linear(8, 8, delay_wgrad_compute=True), "--delay-wgrad-compute"),

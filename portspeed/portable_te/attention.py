@@ -95,6 +95,24 @@ class DotProductAttention(PortableModule):
         self.attention_dropout = torch.nn.Dropout(attention_dropout)
         self.get_rng_state_tracker = get_rng_state_tracker
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        """Load; a state dict without this module's ``_extra_state`` is complete, as with Transformer Engine.
+
+        Why: Megatron's ``TEDotProductAttention.sharded_state_dict`` (read at core_v0.16.1 and core_v0.19.0) puts nothing
+        of the attention in a distributed checkpoint (only the learnable softmax offset, when there is one), so
+        the state dict a dist-checkpoint load hands to ``load_state_dict`` has no ``...core_attention._extra_state``.
+        NVIDIA's ``DotProductAttention`` keeps the key in ``state_dict()`` (its base module's fp8 metadata) and
+        drops it from the missing keys when loading (a load-state-dict post hook); without the same, every strict
+        load of a TE-spec model from a distributed checkpoint fails ("Missing key(s) in state_dict:
+        ...core_attention._extra_state"). Only this module's own key is dropped, and only when it is absent.
+        """
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)
+
     def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
         if not self.training or self.attention_dropout.p == 0.0:
             return probs
