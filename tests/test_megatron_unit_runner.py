@@ -186,3 +186,14 @@ def test_the_cpu_adapters_stream_block_can_be_entered_again() -> None:
     for _ in range(2):
         with block as s:
             assert s is acc.current_stream()
+
+
+def test_a_checkout_pinning_another_pytest_is_said_once(tmp_path: Path) -> None:
+    """Megatron-LM pins pytest for its tests (8.3.5 at core_v0.16.1); a run under another pytest says so."""
+    (tmp_path / "pyproject.toml").write_text('[project.optional-dependencies]\ntest = [\n    "pytest==8.3.5",\n]\n')
+    note = megatron_tests.pytest_pin_note(tmp_path, installed="9.2.0")
+    assert note is not None and "pytest==8.3.5" in note and "pytest 9.2.0" in note and "TestNonStrictLoad" in note
+    assert megatron_tests.pytest_pin_note(tmp_path, installed="8.3.5") is None
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert megatron_tests.pytest_pin_note(tmp_path, installed="9.2.0") is None
+    assert megatron_tests.pytest_pin_note(tmp_path / "absent", installed="9.2.0") is None

@@ -55,7 +55,7 @@ from portspeed.errors import PortspeedError
 from portspeed.testing.pytest_rank_report import REPORT_ENV
 
 __all__ = ["CI_MARKERS", "EXTRA_MODULES", "MARKERS", "Outcome", "build_parser", "child_env", "launch_command",
-           "main", "parse_counts", "resolve_targets", "rootless_modules"]
+           "main", "parse_counts", "pytest_pin_note", "resolve_targets", "rootless_modules"]
 
 #: modules Megatron's unit-test conftest and fixtures import beyond megatron-core and pytest
 #: (-> the ``megatron-tests`` extra): module name -> distribution
@@ -147,6 +147,38 @@ def _check_packages() -> None:
             f"Megatron's unit tests import {', '.join(missing)}, not installed for {sys.executable}; "
             "install portspeed's 'megatron-tests' extra (pip install -e '.[megatron-tests]' -c constraints.txt, "
             "or use `make megatron-unit-tests`)")
+
+
+_PYTEST_PIN = re.compile(r"""["']pytest==([\w.]+)["']""")
+
+
+def pytest_pin_note(root: Path, installed: str | None = None) -> str | None:
+    """One line when the checkout pins another pytest than the one that will run its tests, else None.
+
+    Why: Megatron-LM pins pytest for its tests (``pytest==8.3.5`` in core_v0.16.1's
+    pyproject.toml), and some of its tests depend on it: pytest 9 also attaches ``caplog``'s
+    handler to loggers that do not propagate, so torch's DCP debug records land in
+    ``caplog.text`` and ``TestNonStrictLoad::test_missing_keys_raises_error_during_validation``
+    fails under pytest 9 and passes under 8.3.5 (docs/megatron-unit-tests.md). A difference
+    in the runner's own tool is said before the counts, not found in them.
+    """
+    try:
+        text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    pin = _PYTEST_PIN.search(text)
+    if pin is None:
+        return None
+    if installed is None:
+        from importlib.metadata import version
+
+        installed = version("pytest")
+    if installed == pin.group(1):
+        return None
+    return (f"Megatron-LM pins pytest=={pin.group(1)} for its tests; pytest {installed} runs them here. Known "
+            "difference: pytest 9 captures non-propagating loggers, so dist_checkpointing's TestNonStrictLoad "
+            "missing-keys tests fail on caplog.text. To run with the pin: pip install --target DIR "
+            f"pytest=={pin.group(1)} and set PYTHONPATH=DIR")
 
 
 def resolve_targets(root: Path, targets: list[str]) -> list[str]:
@@ -287,11 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     log_root = Path(args.log_dir or tempfile.mkdtemp(prefix="portspeed-megatron-tests-"))
+    pin_note = pytest_pin_note(root)
+    if pin_note:
+        print(f"portspeed megatron-tests: note: {pin_note}", file=sys.stderr)
     outcomes = [run_target(root, t, args, pytest_args, log_root) for t in targets]
     print("\nportspeed megatron-tests: summary (rank 0's counts)")
     for o in outcomes:
         print("  " + o.line())
     print(f"  total {sum(o.seconds for o in outcomes):.1f} s")
+    if pin_note:
+        print(f"  note: {pin_note}")
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
     return 0 if all(o.returncode == 0 and not o.timed_out for o in outcomes) else 1
