@@ -118,6 +118,30 @@ def test_attention_equals_explicit_softmax(fmt: str, mask_type: str) -> None:
     assert k.grad is not None and k.grad.shape == k.shape
 
 
+@pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_equals_complex_rotation(fmt: str, interleaved: bool) -> None:
+    """RoPE as complex multiplication: channel pairs (i, i + r/2), or (2i, 2i + 1) interleaved, turned by e^(j theta)."""
+    from portspeed.portable_te import rope
+
+    torch.manual_seed(5)
+    s, b, h, d, r = 7, 2, 3, 12, 8                         # r < d: the last d - r channels pass through
+    theta = torch.rand(s + 2, r // 2) * 3                  # freqs longer than the sequence: the first s are used
+    freqs = (theta.repeat_interleave(2, -1) if interleaved else torch.cat((theta, theta), -1))[:, None, None, :]
+    t = torch.randn(s, b, h, d, dtype=torch.float64)
+    x = t[..., :r]
+    pairs = torch.stack((x[..., 0::2], x[..., 1::2]), -1) if interleaved else torch.stack(x.chunk(2, -1), -1)
+    z = torch.view_as_complex(pairs.contiguous()) * torch.polar(torch.ones_like(theta[:s]), theta[:s])[:, None, None]
+    turned = torch.view_as_real(z)
+    turned = turned.flatten(-2) if interleaved else torch.cat((turned[..., 0], turned[..., 1]), -1)
+    expect = torch.cat((turned, t[..., r:]), -1).float()
+    inp = t.float() if fmt == "sbhd" else t.float().transpose(0, 1)
+    got = rope.apply_rotary_pos_emb(inp, freqs, tensor_format=fmt, interleaved=interleaved, fused=True)
+    torch.testing.assert_close(got if fmt == "sbhd" else got.transpose(0, 1), expect, atol=ATOL, rtol=0)
+    bf = rope.apply_rotary_pos_emb(inp.bfloat16(), freqs, tensor_format=fmt, interleaved=interleaved)
+    assert bf.dtype == torch.bfloat16
+
+
 def test_rng_tracker_and_checkpoint_recompute_same_dropout() -> None:
     tracker = rng.CudaRNGStatesTracker()
     tracker.add("model-parallel-rng", 123)
@@ -256,6 +280,60 @@ def test_megatron_te_spec_gpt_dist_checkpoint_round_trip(tmp_path: Path) -> None
     assert out["diff_before"] > 0 and out["diff_after"] == 0
 
 
+MEGATRON_ROPE_FUSION = """
+import json, sys
+sys.argv = ["rope_fusion"]                            # no --transformer-impl: Megatron's default, the TE path
+import portspeed.megatron_adaptor
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{PORT}")
+from megatron.core import parallel_state as ps
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.transformer_config import TransformerConfig
+ps.initialize_model_parallel(1, 1)
+out = {}
+for interleaved in (False, True):
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                            init_method_std=1.0, attention_dropout=0.0, rotary_interleaved=interleaved)
+    cfg.apply_rope_fusion = True                      # after construction, as Megatron's test_attention.py does
+    attn = SelfAttention(cfg, get_gpt_layer_with_transformer_engine_spec().submodules.self_attention.submodules,
+                         layer_number=1)
+    freqs = RotaryEmbedding(cfg.kv_channels, 0.5, rotary_interleaved=interleaved, use_cpu_initialization=True)(16)
+    x = torch.randn(16, 2, 32)
+    fused, _ = attn(x, None, rotary_pos_emb=freqs)
+    cfg.apply_rope_fusion = False                     # Megatron's own unfused RoPE
+    plain, _ = attn(x, None, rotary_pos_emb=freqs)
+    none, _ = attn(x, None)
+    out[str(interleaved)] = {"diff": (fused - plain).abs().max().item(), "vs_no_rope": (fused - none).abs().max().item()}
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.megatron
+def test_megatron_rope_fusion_equals_megatrons_unfused_rope() -> None:
+    """``config.apply_rope_fusion`` on the TE path: Megatron's SelfAttention with the served fused RoPE equals the
+    same attention with Megatron's own unfused RoPE (half the head dimension rotated, plain and interleaved).
+
+    The field is set after the config is built, as Megatron's ``transformer/test_attention.py`` does (portspeed's
+    kernel-fallback patch turns it off inside ``TransformerConfig.__post_init__``). Without the served RoPE the
+    attention asserts "apply_rope_fusion is not available."
+    """
+    from helpers.launch import child_json, free_port
+    from helpers.requires import require
+
+    require("megatron.core", "pip install -e '.[megatron]'")
+    out = child_json(f"PORT = {free_port()}\n" + MEGATRON_ROPE_FUSION, timeout=300,
+                     env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    for interleaved, d in out.items():
+        assert d["diff"] <= 1e-6, (interleaved, d)
+        assert d["vs_no_rope"] > 1e-3, (interleaved, d)   # the rotation did something
+
+
 @pytest.mark.parametrize("build, flag", [
     (lambda: linear.Linear(8, 8, ub_overlap_ag=True), "--tp-comm-overlap"),
     (lambda: linear.Linear(8, 8, delay_wgrad_compute=True), "--delay-wgrad-compute"),
@@ -267,6 +345,8 @@ def test_megatron_te_spec_gpt_dist_checkpoint_round_trip(tmp_path: Path) -> None
     (lambda: namespace.fp8_autocast(enabled=True).__enter__(), "--fp8-format"),
     (lambda: namespace.build("2.6.0")["transformer_engine.pytorch.ops"].SwiGLU(), "--use-te-activation-func"),
     (lambda: rng.checkpoint(lambda: None, distribute_saved_activations=True), "--distribute-saved-activations"),
+    (lambda: namespace.build("2.6.0")["transformer_engine.pytorch.attention.rope"].apply_rotary_pos_emb(
+        torch.zeros(4, 1, 1, 8), torch.zeros(4, 1, 1, 8), cp_size=2), "--context-parallel-size 1"),
 ])
 def test_refusals_name_the_flag(build, flag: str) -> None:
     with pytest.raises(UnsupportedOptionError, match=flag.replace("-", r"\-")) as info:

@@ -11,7 +11,8 @@ never when a Transformer Engine is installed. See docs/transformer-engine.md.
 
 Modules: ``linear`` (Linear, LayerNormLinear: column / row parallel, sequence parallel,
 fuse_wgrad_accumulation), ``norms`` (LayerNorm, RMSNorm), ``attention`` (DotProductAttention),
-``rng`` (the RNG tracker, checkpoint), ``comm`` (the tensor-parallel autograd collectives),
+``rope`` (rotary embedding, for ``apply_rope_fusion``), ``rng`` (the RNG tracker, checkpoint),
+``comm`` (the tensor-parallel autograd collectives),
 ``base`` (device placement, ``_extra_state``), ``refuse`` (the refusals), ``version`` (the version
 reported per megatron-core release), ``namespace`` (the served module tree), ``serve`` (the reach).
 """

@@ -99,7 +99,7 @@ class DotProductAttention(PortableModule):
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         """Load; a state dict without this module's ``_extra_state`` is complete, as with Transformer Engine.
 
-        Why: Megatron's ``TEDotProductAttention.sharded_state_dict`` (read at core_v0.16.1 and core_v0.19.0) puts nothing
+        Why: Megatron's ``TEDotProductAttention.sharded_state_dict`` (read at core_v0.16.1, core_v0.19.0) puts nothing
         of the attention in a distributed checkpoint (only the learnable softmax offset, when there is one), so
         the state dict a dist-checkpoint load hands to ``load_state_dict`` has no ``...core_attention._extra_state``.
         NVIDIA's ``DotProductAttention`` keeps the key in ``state_dict()`` (its base module's fp8 metadata) and

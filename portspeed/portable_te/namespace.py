@@ -2,12 +2,13 @@
 
 Why a tree of plain module objects: Megatron imports ``transformer_engine``,
 ``transformer_engine.pytorch`` (``as te``), ``transformer_engine.pytorch.fp8``,
-``transformer_engine.pytorch.distributed`` and ``transformer_engine.common.recipe``, and
+``transformer_engine.pytorch.distributed``, ``transformer_engine.pytorch.attention.rope`` (the
+fused RoPE behind ``apply_rope_fusion``) and ``transformer_engine.common.recipe``, and
 subclasses what it finds there. ``build(version)`` makes those modules, each marked
-``__portspeed_portable__`` and documented as portspeed's; a submodule not in the tree
-(``attention``, ``cpu_offload``, ``permutation``, ``cross_entropy``, ``cpp_extensions``,
-``router``, ``optimizers``, ...) is not served, so Megatron's own ``except ImportError``
-fallbacks run, as without Transformer Engine. ``te.pytorch.ops`` (the operation-fuser API) and
+``__portspeed_portable__`` and documented as portspeed's; a submodule or name not in the tree
+(``cpu_offload``, ``permutation``, ``cross_entropy``, ``cpp_extensions``, ``router``,
+``optimizers``, ``attention._SplitAlongDim``, ...) is not served, so Megatron's own
+``except ImportError`` fallbacks run, as without Transformer Engine. ``te.pytorch.ops`` (the operation-fuser API) and
 the fp8 recipes exist only to refuse, naming the flag.
 """
 
@@ -18,7 +19,7 @@ import enum
 import types
 from typing import Any, Iterator
 
-from . import attention, linear, norms, rng
+from . import attention, linear, norms, rng, rope
 from .base import PortableModule
 from .refuse import refuse
 
@@ -117,7 +118,8 @@ def _module(name: str, what: str, **attrs: Any) -> types.ModuleType:
 
 
 #: the served module names (relative to ``transformer_engine``); anything else raises ImportError
-SERVED = ("", "pytorch", "pytorch.fp8", "pytorch.distributed", "pytorch.ops", "common", "common.recipe")
+SERVED = ("", "pytorch", "pytorch.fp8", "pytorch.distributed", "pytorch.ops", "pytorch.attention",
+          "pytorch.attention.rope", "common", "common.recipe")
 
 
 def build(version: str) -> dict[str, types.ModuleType]:
@@ -127,11 +129,14 @@ def build(version: str) -> dict[str, types.ModuleType]:
     distributed = _module("transformer_engine.pytorch.distributed", "RNG tracker and activation recompute",
                           CudaRNGStatesTracker=rng.CudaRNGStatesTracker, checkpoint=rng.checkpoint)
     ops = _module("transformer_engine.pytorch.ops", "the operation API (refused)")
+    rope_mod = _module("transformer_engine.pytorch.attention.rope", "rotary position embedding (apply_rope_fusion)",
+                       apply_rotary_pos_emb=rope.apply_rotary_pos_emb)
+    attention_pkg = _module("transformer_engine.pytorch.attention", "attention helpers: rope only", rope=rope_mod)
     ops.__getattr__ = _ops_getattr  # type: ignore[attr-defined]
     pytorch = _module("transformer_engine.pytorch", "the layers", Linear=linear.Linear,
                       LayerNormLinear=linear.LayerNormLinear, LayerNorm=norms.LayerNorm, RMSNorm=norms.RMSNorm,
                       DotProductAttention=attention.DotProductAttention, GroupedLinear=GroupedLinear,
-                      fp8=fp8, distributed=distributed, ops=ops, fp8_autocast=fp8_autocast,
+                      fp8=fp8, distributed=distributed, ops=ops, attention=attention_pkg, fp8_autocast=fp8_autocast,
                       fp8_model_init=fp8_model_init, checkpoint=rng.checkpoint)
     recipe = _module("transformer_engine.common.recipe", "fp8 recipes (refused)", DelayedScaling=DelayedScaling,
                      Format=Format)
