@@ -101,7 +101,7 @@ stock-tests: $(STAMP)
 	$(PY) -m portspeed.testing.testdev build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py tests/test_megatron_unit_runner.py \
 	    tests/test_stock_testdev.py tests/test_stock_llama.py tests/test_megatron_refusals.py tests/test_stock_moe.py \
-	    tests/test_stock_fp16.py tests/test_stock_dataset.py tests/test_stock_te.py
+	    tests/test_stock_fp16.py tests/test_stock_dataset.py tests/test_stock_te.py tests/test_stock_resume_layouts.py
 
 ## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
 ## portspeed on the active adapter, launched as Megatron's CI launches them: one torchrun per target.
