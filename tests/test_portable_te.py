@@ -273,9 +273,10 @@ def test_megatron_te_spec_gpt_dist_checkpoint_round_trip(tmp_path: Path) -> None
     attn = {p + "self_attention.core_attention._extra_state" for p in layers}
     linears = {p + m + "._extra_state" for p in layers
                for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
-    output = {"output_layer._extra_state"}  # Megatron's own ColumnParallelLinear (None; not in the sharded dict)
-    assert set(out["state_dict_extra"]) == attn | linears | output, out["state_dict_extra"]
-    assert set(out["sharded_extra"]) == linears, "Megatron's sharded state dict: the linears' extra state, not the attention's"
+    # (others vary by release: Megatron's output layer's, megatron-core 0.19's TE final layer norm's)
+    assert attn | linears <= set(out["state_dict_extra"]), out["state_dict_extra"]
+    assert linears <= set(out["sharded_extra"]), out["sharded_extra"]
+    assert not attn & set(out["sharded_extra"]), "Megatron's sharded state dict leaves the attention's extra state out"
     assert out["missing"] == [] and out["unexpected"] == []
     assert out["diff_before"] > 0 and out["diff_after"] == 0
 
