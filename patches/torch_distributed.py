@@ -28,7 +28,12 @@ _COLLECTIVE_REASONS = {
                              "same rewrites.",
     "reduce_scatter": "Gloo has no list reduce_scatter before torch 2.8 and ignores the op on 2.8; rewrite those calls.",
     "all_to_all": "Gloo has no list all_to_all before torch 2.12; send it through all_to_all_single.",
+    "all_gather_into_tensor": "Gloo wants each output chunk shaped as the input where NCCL only counts elements "
+                              "(Megatron's gather_split_1d_tensor passes a flat output); view such outputs as chunks.",
+    "all_gather_single": "torch 2.13's name for all_gather_into_tensor (the old name delegates to it); same view.",
 }
+
+_NEW_NAMES = ("reduce_scatter_single", "all_gather_single")  # torch 2.13's names
 
 PATCHES: list[Patch] = [
     Patch(
@@ -75,9 +80,9 @@ PATCHES: list[Patch] = [
         impl=router.COLLECTIVE_ROUTES[fn],
         style="function",
         distribution="torch",
-        versions=">=2.13" if fn == "reduce_scatter_single" else _TORCH,
+        versions=">=2.13" if fn in _NEW_NAMES else _TORCH,
         reason=_COLLECTIVE_REASONS[fn],
     )
     for fn in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
-               "all_to_all")
+               "all_to_all", "all_gather_into_tensor", "all_gather_single")
 ]

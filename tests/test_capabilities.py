@@ -9,7 +9,9 @@ import torch.distributed as dist
 
 from portspeed.accelerator import adapter_class
 from portspeed.comm.capabilities import (
+    CHUNK_SHAPED,
     KNOWN_BACKENDS,
+    REDUCING_COLLECTIVES,
     ROUTED_COLLECTIVES,
     BackendGaps,
     Capabilities,
@@ -82,6 +84,30 @@ def test_gloo_premul_sum_raises_everywhere(version: str, coll: str) -> None:
     assert effect("gloo", version, coll, dist._make_nccl_premul_sum(0.5)) == "raises"
 
 
+@pytest.mark.parametrize("version", ["2.6", "2.7.1", "2.9", "2.12", "2.13.0"])
+def test_gloo_wants_chunk_shaped_all_gather_outputs_in_every_release(version: str) -> None:
+    """all_gather_into_tensor on Gloo: a gap for any op and dtype (the router then looks at the shapes).
+
+    Run on torch 2.13.0 (flat, stacked and 0-d cases raise); read, not run, in the 2.7.1
+    source: ProcessGroupGloo::_allgather_base chunks the output and compares each chunk's sizes.
+    """
+    caps = capabilities_for("gloo", version)
+    for dtype in (F32, BF16, torch.int64):
+        gap = caps.gap(CHUNK_SHAPED, None, dtype)
+        assert gap is not None and gap.effect == "raises" and gap.op is None and gap.dtype is None
+    assert "shaped as the input" in caps.gap(CHUNK_SHAPED).note
+    assert capabilities_for("nccl", version).gap(CHUNK_SHAPED, None, F32) is None
+
+
+def test_which_ccls_want_chunk_shaped_all_gather_outputs() -> None:
+    """testccl (staged through Gloo's _allgather_base) declares the shape gap; the stand-in and NCCL do not."""
+    from portspeed.testing.testdev.adapter import TestdevAccelerator
+
+    assert TestdevAccelerator().capabilities("testccl").gap(CHUNK_SHAPED, None, BF16) is not None
+    assert StandinAccelerator().capabilities().gap(CHUNK_SHAPED, None, F32) is None
+    assert declared("cuda", CHUNK_SHAPED) is None
+
+
 def test_gloo_sum_in_every_dtype_goes_straight_through() -> None:
     """What Gloo does right is not in the table (the router's hot path depends on it)."""
     caps = capabilities_for("gloo", "2.13.0")
@@ -150,13 +176,25 @@ def test_backend_gaps_become_gap_rows() -> None:
     assert gaps.unsupported_ops == (R.MAX,) and isinstance(gaps.unsupported_dtypes, tuple)
     caps = gaps.capabilities("acmeccl")
     assert caps.backend == "acmeccl" and any("acme" in n for n in caps.notes)
-    assert {c for c in ROUTED_COLLECTIVES if caps.gap(c, R.MAX, F32)} == set(ROUTED_COLLECTIVES)  # all_to_all: missing
+    # every reducing collective lacks MAX, all_to_all is missing; the output-shape gap has its own field
+    assert {c for c in ROUTED_COLLECTIVES if caps.gap(c, R.MAX, F32)} == set(REDUCING_COLLECTIVES) | {"all_to_all"}
+    assert caps.gap(CHUNK_SHAPED, None, F32) is None
     assert caps.gap("all_reduce", R.SUM, torch.float16).effect == "raises"
     assert caps.gap("reduce", R.SUM, torch.float16) is None
     assert caps.gap("reduce", R.SUM, torch.float64).effect == "wrong"
     assert caps.gap("all_to_all").effect == "raises"
     assert caps.gap("all_reduce", R.SUM, F32) is None
     assert not any("no capability table" in n for n in caps.notes)
+
+
+def test_chunk_shaped_all_gather_is_one_row_for_any_op_and_dtype() -> None:
+    """chunk_shaped_all_gather=True becomes one 'raises' row for all_gather_into_tensor (any op, any dtype)."""
+    caps = BackendGaps(chunk_shaped_all_gather=True, note="acme").capabilities("acmeccl")
+    rows = [g for g in caps.gaps if g.collective == CHUNK_SHAPED]
+    assert len(rows) == 1 and rows[0].effect == "raises" and "acme" in rows[0].note
+    assert caps.gap(CHUNK_SHAPED, None, torch.int64) is rows[0] and caps.gap(CHUNK_SHAPED, R.SUM, BF16) is rows[0]
+    assert caps.gap("all_reduce", R.SUM, F32) is None
+    assert BackendGaps().capabilities("acmeccl").gap(CHUNK_SHAPED, None, F32) is None
 
 
 def test_backend_gaps_add_to_a_built_in_table() -> None:
@@ -172,6 +210,9 @@ def test_backend_gaps_add_to_a_built_in_table() -> None:
     ({"unsupported_dtypes": [("all_reduce", "bf16")]}, r"\(collective, torch.dtype\) pairs"),
     ({"wrong_dtypes": [("allreduce", torch.float64)]}, "'allreduce'"),
     ({"unsupported_ops": ["avg"]}, "'avg'"),
+    ({"unsupported_collectives": ["all_gather_into_tensor"]}, "declare chunk_shaped_all_gather=True"),
+    ({"unsupported_dtypes": [("all_gather_into_tensor", torch.bfloat16)]}, "only reshapes the output"),
+    ({"chunk_shaped_all_gather": "yes"}, "takes True or False"),
 ])
 def test_backend_gaps_reject_what_the_router_cannot_use(kwargs: dict, match: str) -> None:
     """A declaration naming something the router cannot rewrite fails at once, saying what to write."""

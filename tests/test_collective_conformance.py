@@ -8,7 +8,8 @@ over all ranks' inputs, cast to the dtype) is exact and results are compared wit
 torch.equal. The group is created with ``backend="nccl"`` through the router, as Megatron does.
 
 ``--declared-gaps`` (patches off) first checks the capability table against the real
-backend: every gap the adapter declares really raises or gives a wrong value. Then every
+backend: every gap the adapter declares really raises or gives a wrong value (on Gloo:
+PREMUL_SUM, and a flat all_gather_into_tensor output for a 2-d input). Then every
 collective runs through the router, and the router's counters must name exactly the
 collectives the table flags.
 """
@@ -57,4 +58,11 @@ def test_every_collective_matches_single_process_reference(kind: str, world: int
     checks = {c["check"] for rep in reports for c in rep["results"]}
     if kind == "standin":  # the stand-in declares gaps: they were checked on the raw backend first
         assert any(c.startswith("raw ") for c in checks)
+    if kind == "gloo":  # the control: raw Gloo (patches off) refused the flat all_gather_into_tensor output
+        assert "raw all_gather_into_tensor flat output float32 -> raises" in checks
+    # outputs NCCL takes by element count (Megatron's gather_split_1d_tensor passes a flat one), sync and async
+    gathers = {f"all_gather_into_tensor {form} output {dt} async={a}" for form in ("flat", "stacked", "0-d")
+               for dt in ("float32", "bfloat16") for a in (False, True)}
+    assert gathers <= checks, sorted(gathers - checks)
+    assert "coalesced all_gather_into_tensor flat output #0" in checks
     assert "stats: exactly the collectives the table flags were rewritten" in checks

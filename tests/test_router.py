@@ -238,6 +238,108 @@ def test_async_rewrite_writes_the_callers_tensor_on_wait(routed) -> None:
     assert comm.stats()["reduce_scatter_tensor"]["by"] == {"upcast": 1}
 
 
+# ---------------------------------------------------------------------- all_gather_into_tensor: the output's shape
+_GATHER_FNS = ["all_gather_into_tensor"] + (["all_gather_single"] if hasattr(dist, "all_gather_single") else [])
+
+
+@pytest.mark.parametrize("fn", _GATHER_FNS)
+def test_a_chunk_shaped_all_gather_on_gloo_goes_straight_with_the_callers_arguments(routed, fn: str) -> None:
+    """Gloo's table lists the shape gap, yet a chunk-shaped call (Megatron's usual one) is not touched or counted."""
+    _init("nccl")
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append((args, kwargs))
+
+    out, x = torch.zeros(2, 4), torch.ones(2, 4)
+    flat_out, flat_x = torch.zeros(6), torch.ones(6)  # Megatron's parameter all-gather: 1-d buffers
+    route = router.COLLECTIVE_ROUTES[fn](spy)
+    dist.all_reduce(torch.ones(1))  # fills the group's cache: the calls below take the hot path
+    route(out, x)
+    route(out, input_tensor=x, async_op=True)
+    route(output_tensor=flat_out, input_tensor=flat_x, group=None, async_op=False)  # DeepSpeed's keywords
+    assert seen[0][0][0] is out and seen[0][0][1] is x and seen[0][1] == {}
+    assert seen[1][0] == (out,) and seen[1][1] == {"input_tensor": x, "async_op": True}
+    assert seen[2] == ((), {"output_tensor": flat_out, "input_tensor": flat_x, "group": None, "async_op": False})
+    assert comm.capabilities_of().gap("all_gather_into_tensor", None, torch.float32) is not None
+    assert comm.stats() == {}
+
+
+@pytest.mark.parametrize("fn", _GATHER_FNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_flat_all_gather_output_is_viewed_as_chunks_on_gloo(routed, fn: str, dtype: torch.dtype) -> None:
+    """Megatron's gather_split_1d_tensor form (a flat output for a 2-d input), a stacked output and a 0-d
+    input: Gloo gets views of the caller's tensors; sync, and async with the backend's own work."""
+    _init("nccl")
+    gather = getattr(dist, fn)
+    x = torch.arange(8, dtype=dtype).view(2, 4)
+    for out in (torch.zeros(8, dtype=dtype), torch.zeros(1, 2, 4, dtype=dtype)):
+        gather(out, x)
+        assert torch.equal(out.reshape(-1), x.reshape(-1)) and out.dtype == dtype
+        out.zero_()
+        work = gather(out, x, async_op=True)
+        assert not isinstance(work, comm.RewriteWork), "a view needs no last step: the backend's work is returned"
+        assert work.wait() and torch.equal(out.reshape(-1), x.reshape(-1))
+    scalar, out = torch.tensor(3.0, dtype=dtype), torch.zeros(1, dtype=dtype)
+    gather(output_tensor=out, input_tensor=scalar)
+    assert torch.equal(out, torch.tensor([3.0], dtype=dtype))
+    assert comm.stats() == {"all_gather_into_tensor": {"rewrites": 5, "by": {"view_output_as_chunks": 5}}}
+
+
+def test_raw_gloo_refuses_the_flat_all_gather_output() -> None:
+    """The control: without the router, Gloo itself raises for Megatron's flat output (so the tests above can fail)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        with pytest.raises(RuntimeError, match=r"invalid tensor size at index 0 \(expected \(2, 4\), got \(8\)\)"):
+            dist.all_gather_into_tensor(torch.zeros(8), torch.ones(2, 4))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_all_gather_output_the_view_cannot_fix_reaches_the_backend_as_it_is(routed) -> None:
+    """A wrong element count or a non-contiguous output is not rewritten: Gloo answers it, as without portspeed."""
+    _init("nccl")
+    with pytest.raises(RuntimeError, match="invalid tensor size"):
+        dist.all_gather_into_tensor(torch.zeros(7), torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="invalid tensor size"):
+        dist.all_gather_into_tensor(torch.zeros(16)[::2], torch.ones(2, 4))  # 8 elements, not contiguous: no view
+    assert comm.stats() == {}
+
+
+def test_a_flat_all_gather_goes_straight_where_the_table_lists_no_shape_gap(routed) -> None:
+    """On an NCCL record the router never looks at the shapes: the flat call reaches the backend untouched."""
+    _init("nccl")
+    comm.use_capabilities(capabilities_for("nccl"))
+    with pytest.raises(RuntimeError, match="invalid tensor size"):  # Gloo underneath refuses it: nothing rewrote it
+        dist.all_gather_into_tensor(torch.zeros(8), torch.ones(2, 4))
+    assert comm.stats() == {}
+
+
+def test_the_standin_takes_flat_all_gather_outputs_itself(routed) -> None:
+    """The stand-in CCL counts elements as NCCL does and declares no shape gap: the flat call goes straight."""
+    set_accelerator(StandinAccelerator())
+    _init("nccl")
+    out, x = torch.zeros(8), torch.arange(8.0).view(2, 4)
+    dist.all_gather_into_tensor(out, x)
+    assert torch.equal(out, torch.arange(8.0)) and comm.stats() == {}
+
+
+def test_a_flat_all_gather_in_a_coalescing_batch_stays_in_the_batch(routed) -> None:
+    """The view is issued as the original would be: recorded, run at the batch's exit, written by wait()."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    _init("nccl")
+    outs = [torch.zeros(8), torch.zeros(8)]
+    with _coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+        for k, o in enumerate(outs):
+            dist.all_gather_into_tensor(o, torch.full((2, 4), float(k + 1)))
+        assert not any(o.any() for o in outs), "issued before the batch's exit: the rewrite left the batch"
+    cm.wait()
+    assert torch.equal(outs[0], torch.ones(8)) and torch.equal(outs[1], torch.full((8,), 2.0))
+    assert comm.stats()["all_gather_into_tensor"]["by"] == {"view_output_as_chunks": 2}
+
+
 def test_avg_on_integers_raises_naming_the_dtype(routed) -> None:
     """AVG on int64 where the backend lacks AVG cannot be rewritten: the error says so and what to do."""
     set_accelerator(StandinAccelerator())
@@ -404,7 +506,8 @@ def _c10d_debug_records(call) -> tuple[list, BaseException]:
     return [r.msg for r in records], info.value
 
 
-@pytest.mark.parametrize("fn", ["all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("fn", ["all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_to_all",
+                                *_GATHER_FNS])
 def test_routed_collectives_take_the_place_of_torchs_logging_layer(fn: str) -> None:
     """On this torch the hot path calls the function under torch's exception logger, not a frame above it."""
     original = getattr(c10d, fn)

@@ -16,10 +16,19 @@ Contract
   unless its adapter declares gaps.
 - Collective names are torch.distributed's public function names (``all_reduce``,
   ``reduce_scatter_tensor``, ``all_to_all``...). Ops are ``ReduceOp.RedOpType`` members.
+- One gap is about shapes, not ops or dtypes: ``all_gather_into_tensor`` (any op, any
+  dtype) means the backend wants each dim-0 chunk of the output shaped as the input
+  (Gloo: ``at::chunk(output, world)``, then every chunk must have the input's sizes), where
+  NCCL only counts elements. The router looks at the shapes of such a call and views a
+  flat or stacked output as chunks; a chunk-shaped call still goes straight through.
+  Adapters declare it with ``BackendGaps(chunk_shaped_all_gather=True)``.
 
 Sources: the Gloo table was value-checked on torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0,
 2.11.0, 2.12.0 and 2.13.0 with 2-3 ranks (docs/reference notes, pytorch#149781 and
-#149869). Vendor declarations live in the vendor adapters (``portspeed.adapters``).
+#149869); the all_gather_into_tensor shape row was run on torch 2.13.0 only (2 ranks on
+127.0.0.1: flat, stacked and 0-d cases raise), and read, not run, in the 2.7.1 source
+(``ProcessGroupGloo::_allgather_base``, the same chunk-and-compare code), so it is listed
+for every release. Vendor declarations live in the vendor adapters (``portspeed.adapters``).
 Torch versions outside 2.6-2.13 use the nearest checked row, and the record's notes say so.
 
 Example::
@@ -27,6 +36,7 @@ Example::
     caps = capabilities_for("gloo", torch_version="2.7.1")
     caps.gap("all_reduce", dist.ReduceOp.AVG, torch.float32).effect   # 'raises'
     BackendGaps(unsupported_ops=[dist.ReduceOp.AVG]).capabilities("myccl").gap("reduce", dist.ReduceOp.AVG)
+    caps.gap("all_gather_into_tensor", None, torch.float32).effect   # 'raises' (a flat output)
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ __all__ = [
     "ROUTED_COLLECTIVES",
     "TABLED_BACKENDS",
     "CHECKED_TORCH",
+    "CHUNK_SHAPED",
     "capabilities_for",
     "check_backend_name",
     "op_type",
@@ -75,8 +86,12 @@ CHECKED_TORCH = (Version("2.6"), Version("2.13.99"))
 
 #: Collectives that take a reduce op.
 REDUCING_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+#: The collective whose only gap is the shape of its output (see the module docstring).
+CHUNK_SHAPED = "all_gather_into_tensor"
 #: Collectives the router can rewrite, so the only ones a gap may name.
-ROUTED_COLLECTIVES = REDUCING_COLLECTIVES + ("all_to_all",)
+ROUTED_COLLECTIVES = REDUCING_COLLECTIVES + ("all_to_all", CHUNK_SHAPED)
+#: What ``BackendGaps``' op, dtype and collective fields may name (the shape gap has its own field).
+_DECLARABLE = REDUCING_COLLECTIVES + ("all_to_all",)
 
 Effect = Literal["raises", "wrong"]
 RedOpType = dist.ReduceOp.RedOpType
@@ -198,9 +213,13 @@ def _pairs(value: Iterable[Any], field: str) -> tuple[tuple[str, torch.dtype], .
 
 
 def _collective(name: Any, field: str) -> str:
-    if name not in ROUTED_COLLECTIVES:
+    if name == CHUNK_SHAPED:
+        raise ValueError(f"BackendGaps.{field}: the router only reshapes the output of {CHUNK_SHAPED}, it "
+                         "cannot replace the collective; declare chunk_shaped_all_gather=True when the library "
+                         "wants each output chunk shaped as the input")
+    if name not in _DECLARABLE:
         raise ValueError(f"BackendGaps.{field}: {name!r} is not a collective the router can rewrite; "
-                         f"name one of {', '.join(ROUTED_COLLECTIVES)} (other collectives must work as they are)")
+                         f"name one of {', '.join(_DECLARABLE)} (other collectives must work as they are)")
     return name
 
 
@@ -217,6 +236,9 @@ class BackendGaps:
     - ``unsupported_collectives``: collectives it lacks for every op and dtype;
     - ``wrong_dtypes``: ``(collective, dtype)`` pairs it accepts but computes wrongly (for
       example float64 narrowed to float32): the router refuses these loudly;
+    - ``chunk_shaped_all_gather``: True when its ``all_gather_into_tensor`` wants each dim-0
+      chunk of the output shaped as the input, as Gloo does (a flat output of a 2-d input,
+      a stacked output, a 0-d input raise): the router then views such outputs as chunks;
     - ``note``: where the knowledge comes from, shown by ``portspeed info``.
 
     Collectives are named as in ``ROUTED_COLLECTIVES``; anything else raises, as the router
@@ -227,6 +249,7 @@ class BackendGaps:
     unsupported_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
     unsupported_collectives: tuple[str, ...] = ()
     wrong_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
+    chunk_shaped_all_gather: bool = False
     note: str = "declared by the adapter"
     #: see ``Capabilities.sends_from_buffer``: True when the library reads a send's tensor until
     #: the send completes (portspeed then sends private copies from Megatron's pipeline p2p)
@@ -242,6 +265,9 @@ class BackendGaps:
                             f"({self.unsupported_collectives!r}); write ({self.unsupported_collectives!r},)")
         set_(self, "unsupported_collectives",
              tuple(_collective(c, "unsupported_collectives") for c in self.unsupported_collectives))
+        if type(self.chunk_shaped_all_gather) is not bool:
+            raise TypeError("BackendGaps.chunk_shaped_all_gather takes True or False, got "
+                            f"{self.chunk_shaped_all_gather!r}")
 
     def gaps(self) -> tuple[Gap, ...]:
         """The declaration as Gap rows."""
@@ -251,6 +277,8 @@ class BackendGaps:
             + [Gap(c, "raises", f"{n} (no {str(dt)[6:]} {c})", dtype=dt) for c, dt in self.unsupported_dtypes]
             + [Gap(c, "raises", f"{n} (no {c})") for c in self.unsupported_collectives]
             + [Gap(c, "wrong", f"{n} ({str(dt)[6:]} {c} computed wrongly)", dtype=dt) for c, dt in self.wrong_dtypes]
+            + ([Gap(CHUNK_SHAPED, "raises", f"{n} ({CHUNK_SHAPED} wants each output chunk shaped as the input)")]
+               if self.chunk_shaped_all_gather else [])
         )
 
     def capabilities(self, backend: str, torch_version: str | None = None, adapter: str = "") -> Capabilities:
@@ -291,6 +319,9 @@ def _gloo(v: Version) -> list[Gap]:
                      ops=[RedOpType.AVG, RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT])
     if v < Version("2.12"):
         out += _gaps(["all_to_all"], "raises", "Gloo has no list all_to_all before torch 2.12")
+    out += _gaps([CHUNK_SHAPED], "raises",
+                 "Gloo wants each output chunk of all_gather_into_tensor shaped as the input; flat or stacked "
+                 "outputs and 0-d inputs raise (run on torch 2.13.0; the same code read in the 2.7.1 source)")
     return out
 
 

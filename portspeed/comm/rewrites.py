@@ -3,6 +3,8 @@
 Why: all_reduce, reduce, reduce_scatter_tensor and the list reduce_scatter lack the same
 things on Gloo and vendor CCLs (a dtype, AVG, PREMUL_SUM, an op) and are rewritten the
 same way; one rule per rewrite, named, replaces a copy of the ladder per collective.
+all_gather_into_tensor lacks no op or dtype, only a form of its output (Gloo wants each
+dim-0 chunk shaped as the input; NCCL counts elements): its one rule is a view.
 
 Contract
 - A ``Call`` is one collective call taken apart: where the result lands (``output``), what
@@ -21,7 +23,14 @@ Contract
   (scale then SUM; floats only), ``via_all_gather`` (other ops of all_reduce/reduce:
   gather, reduce locally in rank order), ``via_all_reduce_slice`` (reduce_scatter_tensor:
   all_reduce then keep this rank's slice), ``via_reduce_scatter_tensor`` (list
-  reduce_scatter), ``via_all_to_all_single`` (list all_to_all).
+  reduce_scatter), ``via_all_to_all_single`` (list all_to_all), ``view_output_as_chunks``
+  (all_gather_into_tensor whose output is contiguous, holds world x the input's elements
+  and is not chunk-shaped: the output viewed as ``(world * input.shape[0], *input.shape[1:])``,
+  a 0-d input and its output as 1-d; the router checks those conditions before the rule).
+- Rules in ``IN_BATCH`` issue one collective on views of the caller's own tensors and have
+  no last step: the backend's own work (or None) is returned, and inside a coalescing
+  batch the call is recorded in the batch as the original would be. Every other rule runs
+  outside the batch (``work.run``).
 - ``stats()`` counts, per collective, the calls rewritten and by which rule; the first
   rewrite of each kind is logged once. Straight calls are never counted.
 """
@@ -43,7 +52,7 @@ from portspeed.comm.capabilities import Gap, op_type
 from portspeed.comm.work import complete, nothing, run
 from portspeed.errors import CollectiveUnsupportedError
 
-__all__ = ["Call", "LADDERS", "RULES", "rewrite", "stats", "explain", "reset_stats"]
+__all__ = ["Call", "IN_BATCH", "LADDERS", "RULES", "rewrite", "stats", "explain", "reset_stats"]
 
 log = logging.getLogger("portspeed.comm.router")
 
@@ -204,6 +213,12 @@ def _via_all_to_all_single(c: Call, async_op: bool) -> Any:
     return complete([w], finish, async_op)
 
 
+def _view_output_as_chunks(c: Call, async_op: bool) -> Any:
+    ins = c.inputs if c.inputs.dim() else c.inputs.view(1)
+    out = c.output.view(c.n * ins.shape[0], *ins.shape[1:])  # shares the caller's storage
+    return c.again(out, ins, c.op, async_op)  # the backend's own work: nothing is left to do at wait()
+
+
 Check = Callable[[Call], None]
 Rule = Callable[[Call, bool], Any]
 
@@ -216,7 +231,11 @@ RULES: dict[str, tuple[Check | None, Rule]] = {
     "via_all_reduce_slice": (None, _via_all_reduce_slice),
     "via_reduce_scatter_tensor": (None, _via_reduce_scatter_tensor),
     "via_all_to_all_single": (None, _via_all_to_all_single),
+    "view_output_as_chunks": (None, _view_output_as_chunks),
 }
+
+#: rules that issue one collective on the caller's storage and nothing after it (see the docstring)
+IN_BATCH = frozenset({"view_output_as_chunks"})
 
 When = Callable[[Gap, Any], bool]
 
@@ -259,6 +278,7 @@ LADDERS: dict[str, tuple[tuple[str, When], ...]] = {
     "reduce_scatter": (("upcast", _dtype_gap), ("avg_as_sum", _op_gap_avg), ("premul_as_scale_sum", _op_gap_premul),
                        ("via_reduce_scatter_tensor", _otherwise)),
     "all_to_all": (("via_all_to_all_single", _otherwise),),
+    "all_gather_into_tensor": (("view_output_as_chunks", _otherwise),),
 }
 
 
@@ -275,7 +295,7 @@ def rewrite(c: Call, async_op: bool) -> Any:
         _count(c.collective, name)
         return rule(c, inner_async)
 
-    return run(c.group, async_op, body)
+    return run(c.group, async_op, body, in_batch=name in IN_BATCH)
 
 
 # ---------------------------------------------------------------------- counting
@@ -294,6 +314,7 @@ _HOW: dict[str, str] = {
     "via_all_reduce_slice": "ran as an all_reduce and a slice of this rank's part",
     "via_reduce_scatter_tensor": "the list form ran as reduce_scatter_tensor on one flat buffer",
     "via_all_to_all_single": "the list form ran as all_to_all_single on one flat buffer",
+    "view_output_as_chunks": "the output was viewed as chunks shaped like the input (same storage)",
 }
 
 

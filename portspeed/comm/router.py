@@ -16,9 +16,19 @@ Contract
 - Per call on the hot path: ``len(args)``, one ``dict.get`` on the group cache
   (``groups._CAPS``, bound once), one ``_quick.get`` on the table; for reducing
   collectives with a gap listed, the op's identity and (if a dtype gap exists) the dtype.
-- ``all_reduce``, ``reduce``, ``reduce_scatter_tensor``, ``reduce_scatter``, ``all_to_all``
-  (signature ``(wrapped, *torch's arguments)``) look up the gap and either call
-  ``wrapped`` or rewrite (``rewrites.rewrite``).
+- ``all_reduce``, ``reduce``, ``reduce_scatter_tensor``, ``reduce_scatter``, ``all_to_all``,
+  ``all_gather_into_tensor`` (signature ``(wrapped, *torch's arguments)``) look up the gap
+  and either call ``wrapped`` or rewrite (``rewrites.rewrite``).
+- ``all_gather_into_tensor`` (and torch 2.13's ``all_gather_single``): its only gap is the
+  output's shape (Gloo, testccl: each dim-0 chunk must be shaped as the input). Where the
+  table lists it, the hot path also compares the output's and the input's dimensions and,
+  above 1-d, their trailing sizes (two ``.dim()`` calls, then two ``.shape`` reads and a
+  tuple compare); a chunk-shaped call goes straight. A call whose output is contiguous,
+  holds world x the input's elements and is not chunk-shaped (flat, stacked, a 0-d input)
+  goes to the backend on views of the caller's tensors (``view_output_as_chunks``);
+  anything else goes straight and the backend answers it. Where the table lists no such
+  gap (NCCL, the stand-in), the screen is the two dict reads above (docs/benchmarks.md,
+  "all_gather").
 - This module also re-exports the router's public names (``map_backend``, ``real_backend``,
   ``stats``...) for callers that import ``portspeed.comm.router``; new code imports them from
   ``portspeed.comm``.
@@ -46,12 +56,13 @@ from torch.distributed import distributed_c10d as c10d
 from portspeed.comm.backends import map_backend, real_backend, requested_backend
 from portspeed.comm.capabilities import CANONICAL_OP_IDS as _CANONICAL_OP_IDS, Gap
 from portspeed.comm.groups import _CAPS, capabilities_of, forget_all, use_capabilities
-from portspeed.comm.rewrites import _RS_TENSOR, Call, reset_stats, rewrite, stats
+from portspeed.comm.rewrites import _AG_TENSOR, _RS_TENSOR, Call, reset_stats, rewrite, stats
 from portspeed.comm.work import RewriteWork, nothing as _nothing
 
 __all__ = [
     "COLLECTIVE_ROUTES",
     "RewriteWork",
+    "all_gather_into_tensor",
     "all_reduce",
     "all_to_all",
     "capabilities_of",
@@ -158,6 +169,31 @@ def all_to_all(wrapped: Callable, output_tensor_list: list, input_tensor_list: l
                    async_op)
 
 
+def _needs_view(output: torch.Tensor, input: torch.Tensor, group: Any) -> bool:
+    """Whether only the form of ``output`` keeps this all_gather from a backend that wants chunk-shaped
+    outputs: contiguous, world x the input's elements, not chunk-shaped (a 0-d input never is)."""
+    if input.dim() and output.shape[1:] == input.shape[1:]:
+        return False  # chunk-shaped, or a count the backend refuses itself (as it would without portspeed)
+    n = dist.get_world_size(group)
+    return n > 0 and output.is_contiguous() and output.numel() == n * input.numel()
+
+
+def all_gather_into_tensor(wrapped: Callable, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: Any = None, async_op: bool = False) -> Any:
+    """all_gather_into_tensor through the capability table of ``group``: a flat or stacked output is
+    viewed as chunks shaped like the input where the backend wants that (Gloo)."""
+    if isinstance(output_tensor, torch.Tensor) and isinstance(input_tensor, torch.Tensor):
+        gap = _gap("all_gather_into_tensor", group, None, input_tensor)
+        if gap is not None and _needs_view(output_tensor, input_tensor, group):
+
+            def again(out: Any, ins: Any, o: Any, a: bool) -> Any:
+                return getattr(c10d, _AG_TENSOR)(out, ins, group=group, async_op=a)
+
+            return rewrite(Call("all_gather_into_tensor", output_tensor, input_tensor, _SUM, group, gap,
+                                input_tensor, again), async_op)
+    return wrapped(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
 # ---------------------------------------------------------------------- the hot path
 #: every name torch's exception-logging wrapper uses (torch 2.6 to 2.13): it only logs on an
 #: exception. A decorator that uses any other name may do more on success and is not bypassed.
@@ -247,18 +283,72 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
                         _raise_through(logging_layer, call, error, args, kwargs)
             return fn(original, *args, **kwargs)
 
-        routed.__doc__ = f"Route torch.distributed.{name} through portspeed.comm.router.{fn.__name__}.\n\n" + (
-            original.__doc__ or "")
-        return routed
+        return _documented(routed, original, name, fn)
 
+    return _named(make, name, fn)
+
+
+def _route_all_gather(name: str, fn: Callable) -> Callable[[Callable], Callable]:
+    """``_route`` for all_gather_into_tensor / all_gather_single, whose gap is a shape, not an op or dtype.
+
+    Where the group's table lists the gap (Gloo, testccl) the hot path compares the
+    output's trailing sizes with the input's: equal (chunk-shaped, as Megatron's sequence-
+    parallel and parameter all-gathers are) goes straight, otherwise ``fn`` decides
+    (``all_gather_into_tensor`` above). Where it does not (NCCL, the stand-in), the call
+    goes straight after the same two dict reads as every routed collective. The straight
+    call, the logging layer and Dynamo are handled as in ``_route``.
+    """
+    caps_get = _CAPS.get  # _CAPS is only ever mutated, never rebound
+    compiling = torch.compiler.is_dynamo_compiling
+
+    def make(original: Callable) -> Callable:
+        call, logging_layer = _torch_logging_layer(original)
+
+        @functools.wraps(original)
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            n = len(args)
+            caps = caps_get(args[2] if n > 2 else kwargs.get("group"))
+            if caps is not None and type(caps) is not dict:
+                straight = name not in caps._quick
+                if not straight:  # the backend wants chunk-shaped outputs: is this one? (1-d: no .shape read)
+                    x = args[1] if n > 1 else kwargs.get("input_tensor")
+                    out = args[0] if n else kwargs.get("output_tensor")
+                    try:
+                        d = x.dim()
+                        straight = d == out.dim() and (d == 1 or (d > 1 and out.shape[1:] == x.shape[1:]))
+                    except AttributeError:  # not tensors: torch's own check answers the call
+                        straight = True
+                if straight:
+                    if compiling():  # torch.compile traces torch's function itself
+                        return original(*args, **kwargs)
+                    try:
+                        return call(*args, **kwargs)
+                    except Exception as error:
+                        if logging_layer is None:
+                            raise
+                        _raise_through(logging_layer, call, error, args, kwargs)
+            return fn(original, *args, **kwargs)
+
+        return _documented(routed, original, name, fn)
+
+    return _named(make, name, fn)
+
+
+def _documented(routed: Callable, original: Callable, name: str, fn: Callable) -> Callable:
+    routed.__doc__ = f"Route torch.distributed.{name} through portspeed.comm.router.{fn.__name__}.\n\n" + (
+        original.__doc__ or "")
+    return routed
+
+
+def _named(make: Callable, name: str, fn: Callable) -> Callable:
     make.__name__ = make.__qualname__ = f"route_{name}"
     make.__doc__ = f"Factory: torch.distributed.{name} routed through portspeed.comm.router.{fn.__name__}."
     return make
 
 
 #: factories ``make(original) -> routed`` for the collectives the router handles, by
-#: torch.distributed function name (``reduce_scatter_single`` is torch 2.13's name for
-#: reduce_scatter_tensor; tables use the old name).
+#: torch.distributed function name (``reduce_scatter_single`` and ``all_gather_single`` are
+#: torch 2.13's names for reduce_scatter_tensor and all_gather_into_tensor; tables use the old names).
 COLLECTIVE_ROUTES: dict[str, Callable[[Callable], Callable]] = {
     "all_reduce": _route("all_reduce", all_reduce, (0, "tensor"), 1, 2),
     "reduce": _route("reduce", reduce, (0, "tensor"), 2, 3),
@@ -266,4 +356,6 @@ COLLECTIVE_ROUTES: dict[str, Callable[[Callable], Callable]] = {
     "reduce_scatter_single": _route("reduce_scatter_tensor", reduce_scatter_tensor, (1, "input"), 2, 3),
     "reduce_scatter": _route("reduce_scatter", reduce_scatter, (0, "output"), 2, 3),
     "all_to_all": _route("all_to_all", all_to_all, None, None, 2),
+    "all_gather_into_tensor": _route_all_gather("all_gather_into_tensor", all_gather_into_tensor),
+    "all_gather_single": _route_all_gather("all_gather_into_tensor", all_gather_into_tensor),
 }

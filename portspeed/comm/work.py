@@ -12,11 +12,13 @@ Contract
   works, runs ``finish`` once, and returns True; ``is_completed()`` is True after that.
 - ``complete(works, finish, async_op)``: a ``RewriteWork`` when ``async_op``, else waits,
   finishes and returns None (what torch's collectives return synchronously).
-- ``run(group, async_op, body)``: calls ``body(inner_async)``; returns None on ranks outside
-  ``group`` (as torch does); inside a coalescing batch runs ``body(False)`` outside it.
+- ``run(group, async_op, body, in_batch=False)``: calls ``body(inner_async)``; returns None on
+  ranks outside ``group`` (as torch does); inside a coalescing batch runs ``body(False)``
+  outside it, unless ``in_batch`` (a rewrite that is one collective on the caller's
+  storage with no last step, so the batch may record it as it would the original).
 
 Limits: in a coalescing batch a rewritten collective runs synchronously (correct values,
-less overlap).
+less overlap); the all_gather view (``in_batch``) is the exception and stays in the batch.
 """
 
 from __future__ import annotations
@@ -89,11 +91,11 @@ def _in_coalescing(group: Any) -> bool:
     return bool(state) and _pg(group) in state
 
 
-def run(group: Any, async_op: bool, body: Callable[[bool], Any]) -> Any:
-    """Run ``body(inner_async)`` for a rank of ``group``, outside any coalescing batch."""
+def run(group: Any, async_op: bool, body: Callable[[bool], Any], in_batch: bool = False) -> Any:
+    """Run ``body(inner_async)`` for a rank of ``group``, outside any coalescing batch unless ``in_batch``."""
     if group is not None and c10d._rank_not_in_group(group):
         return None
-    if _in_coalescing(group):
+    if not in_batch and _in_coalescing(group):
         # the coalescing manager records calls and runs them at its exit; a rewrite has
         # steps after its inner calls, so run it now, outside the recorded batch
         pg = _pg(group)

@@ -10,14 +10,17 @@ reference (a float64 computation over all ranks' inputs in one process, cast to 
 ``portspeed.conformance.reference``) is exact and results are compared with ``torch.equal``
 after ``.cpu()``. Collectives the adapter declares its backend lacks are rewritten by the
 router and must still be exact, and the router's counters must name exactly those.
+all_gather_into_tensor (and torch 2.13's all_gather_single) also gets the outputs NCCL
+accepts by element count (flat, stacked, a 0-d input; sync, async and coalesced), which a
+backend that wants chunk-shaped outputs (Gloo, testccl) only takes through the router.
 
 Options of the rank program (``python -m portspeed.conformance.collectives``):
 ``--declared-gaps`` first checks, with portspeed's patches off, that every gap the adapter
 declares for its backend really raises or gives a wrong value on the raw backend (off by
 default: on real hardware a failing raw call may poison the communicator);
 ``--replay TABLE`` makes the router follow another table on the same backend (``gloo@2.7``:
-torch 2.7's Gloo table; ``hccl-hpu``: the gaps the hpu adapter declares), so rewrites that
-other torch releases or vendors need run for real.
+torch 2.7's Gloo table; ``hccl-hpu``: the gaps the hpu adapter declares, plus the running
+backend's output-shape gap), so rewrites that other torch releases or vendors need run for real.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def _declared_gaps_fail_raw(r: _Rank, caps: Any) -> None:
         dtype = gap.dtype or torch.float32
         op = gap.op if gap.op is not None else R.SUM
         op_arg = dist._make_nccl_premul_sum(0.5) if op == R.PREMUL_SUM else op
-        name = f"raw {gap.collective} {op.name} {str(dtype)[6:]} -> {gap.effect}"
+        what = "flat output" if gap.collective == "all_gather_into_tensor" else op.name  # a shape gap, no op
+        name = f"raw {gap.collective} {what} {str(dtype)[6:]} -> {gap.effect}"
         x = r.data(rank, (n * 2,), dtype)
         out, want = None, None
         try:
@@ -102,6 +106,10 @@ def _declared_gaps_fail_raw(r: _Rank, caps: Any) -> None:
                 want = ref(op.name, r.everyone((n * 2,)), dtype)[rank * 2:rank * 2 + 2]
             elif gap.collective == "all_to_all":
                 dist.all_to_all([r.empty(2, dtype) for _ in range(n)], list(x.chunk(n)))
+            elif gap.collective == "all_gather_into_tensor":  # the shape gap: a flat output of a 2-d input
+                out = r.empty(n * 6, dtype)
+                dist.all_gather_into_tensor(out, r.data(rank, (2, 3), dtype))
+                want = r.everyone((2, 3)).to(dtype).reshape(-1)
             raised = False
         except (RuntimeError, ValueError, NotImplementedError):
             raised = True
@@ -154,6 +162,22 @@ def _every_collective(r: _Rank, caps: Any, expected: set[str]) -> None:  # noqa:
         out = empty(full, dtype)
         dist.all_gather_into_tensor(out, data(rank, shape, dtype))
         check(f"all_gather_into_tensor {tag}", out, everyone(shape).to(dtype).reshape(full))
+        # outputs NCCL takes by their element count, not chunk-shaped like the input (Gloo wants
+        # them so; Megatron's gather_split_1d_tensor passes a flat one): the values NCCL gives
+        if caps.gap("all_gather_into_tensor", None, dtype) is not None:
+            expected.add("all_gather_into_tensor")
+        gather_fns = [("all_gather_into_tensor", dist.all_gather_into_tensor)] + (
+            [("all_gather_single", dist.all_gather_single)] if hasattr(dist, "all_gather_single") else [])
+        for fn_name, gather in gather_fns:
+            for form, ins, out_shape in (("flat", shape, (n * 15,)), ("stacked", shape, (n, *shape)),
+                                         ("0-d", (), (n,))):
+                for async_op in (False, True):
+                    out = empty(out_shape, dtype)
+                    w = gather(out, data(rank, ins, dtype, salt=3), async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    check(f"{fn_name} {form} output {tag} async={async_op}", out,
+                          everyone(ins, salt=3).to(dtype).reshape(out_shape))
         # reduce_scatter: every rank contributes n chunks of `shape`
         for op in ("SUM", "MAX") + (() if is_int else ("AVG", "PREMUL")):
             want = ref(op, everyone(full), dtype)[rank * 3:(rank + 1) * 3]
@@ -240,6 +264,13 @@ def _as_megatron_does(r: _Rank, caps: Any, expected: set[str], real: str) -> Non
     cm.wait()
     for k, o in enumerate(outs):
         check(f"coalesced all_gather_into_tensor #{k}", o, everyone((2,), salt=k).float().reshape(-1))
+    outs = [r.empty(n * 6) for _ in range(2)]  # flat outputs of 2-d inputs, recorded in the batch
+    with _coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+        for k, o in enumerate(outs):
+            dist.all_gather_into_tensor(o, data(rank, (2, 3), torch.float32, salt=k))
+    cm.wait()
+    for k, o in enumerate(outs):
+        check(f"coalesced all_gather_into_tensor flat output #{k}", o, everyone((2, 3), salt=k).float().reshape(-1))
     xs = [data(rank, (4,), torch.float32, salt=k) for k in range(2)]
     with _coalescing_manager(dist.group.WORLD):
         for x in xs:
@@ -264,16 +295,29 @@ def _as_megatron_does(r: _Rank, caps: Any, expected: set[str], real: str) -> Non
     check("async all_reduce lands by wait()", x, ref("SUM", everyone((4,)), torch.float32))
 
 
-def _replayed(table: str) -> Any:
-    """The table ``--replay`` names: ``gloo@2.7`` (a torch release's Gloo) or ``hccl-hpu`` (an adapter's)."""
+def _replayed(table: str, running: Any) -> Any:
+    """The table ``--replay`` names: ``gloo@2.7`` (a torch release's Gloo) or ``hccl-hpu`` (an adapter's).
+
+    The running backend's output-shape gap (``running``: its own record) is kept: it is a
+    property of the library that runs the calls (Gloo's all_gather_into_tensor still wants
+    chunk-shaped outputs while the router follows HCCL's table), not of the table replayed.
+    """
+    import dataclasses
+
+    from portspeed.comm.capabilities import CHUNK_SHAPED, capabilities_for
+
     name, _, version = table.partition("@")
     if name == "gloo":
-        from portspeed.comm.capabilities import capabilities_for
+        caps = capabilities_for("gloo", version or None)
+    else:
+        from portspeed.accelerator import adapter_class
 
-        return capabilities_for("gloo", version or None)
-    from portspeed.accelerator import adapter_class
-
-    return adapter_class(name.split("-")[1])().capabilities()
+        caps = adapter_class(name.split("-")[1])().capabilities()
+    kept = tuple(g for g in running.gaps if g.collective == CHUNK_SHAPED) if not caps.affects(CHUNK_SHAPED) else ()
+    if kept:
+        caps = dataclasses.replace(caps, gaps=caps.gaps + kept,
+                                   notes=caps.notes + (f"the running backend's {CHUNK_SHAPED} shape gap kept",))
+    return caps
 
 
 def rank_main(argv: list[str] | None = None) -> int:
@@ -319,7 +363,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend="nccl", rank=rank, world_size=n, timeout=timeout,
                             store=dist.PrefixStore("routed", store))
     if args.replay:
-        comm.use_capabilities(_replayed(args.replay))
+        comm.use_capabilities(_replayed(args.replay, acc.capabilities()))
     r.check("get_backend reports the requested name", dist.get_backend(), "nccl")
     r.check("real_backend reports the real name", comm.real_backend(), real)
     caps, expected = comm.capabilities_of(), set()
