@@ -156,6 +156,26 @@ def test_interleaved_pp2_batched_p2p_diverges_without_guard(init_ckpt: str, tp1:
     assert abs(got[1][0] - tp1[1][0]) > 1e-3, "expected the mismatched p2p messages to change the loss"
 
 
+def test_interleaved_pp2_guard_lets_a_forward_only_pass_through() -> None:
+    """Forward-only (evaluation) sends no gradients, so nothing can cross: the guard calls through; training raises."""
+    from types import SimpleNamespace
+
+    from portspeed.patches.megatron.core_p2p import InterleavedP2PLayoutError, interleaved_guard
+
+    model = [SimpleNamespace(config=SimpleNamespace(batch_p2p_comm=True, overlap_p2p_comm=False))]
+    pg = SimpleNamespace(pp=SimpleNamespace(size=lambda: 2))
+    calls = []
+
+    def schedule(**kwargs):
+        calls.append(kwargs["forward_only"])
+        return "ran"
+
+    assert interleaved_guard(schedule, None, (), {"model": model, "pg_collection": pg, "forward_only": True}) == "ran"
+    with pytest.raises(InterleavedP2PLayoutError, match="overlap_p2p_comm=True"):
+        interleaved_guard(schedule, None, (), {"model": model, "pg_collection": pg, "forward_only": False})
+    assert calls == [True]
+
+
 def test_dead_rank_fails_the_job_naming_it() -> None:
     """Rank 1 exits at iteration 2: the job exits non-zero within the time limit and names rank 1 as root cause."""
     res = torchrun(SCRIPT, 2, [*MODEL, "--iters", "4", "--fail-at", "1:2"], timeout=120,

@@ -6,7 +6,11 @@ same pair. Gloo matches them in posting order and silently swaps activations and
 gradients (losses diverge from TP1 with no error; measured in tests/test_megatron_core_parity.py).
 Megatron-LM's argument checks forbid this layout, megatron-core alone does not. The
 wrapper raises with the fix: ``overlap_p2p_comm=True, batch_p2p_comm=False`` in the model
-config (the unbatched even/odd-ordered path), or more than 2 pipeline ranks.
+config (the unbatched even/odd-ordered path), or more than 2 pipeline ranks. A forward-only
+pass (evaluation, ``forward_only=True``) sends no gradients, so each batched call holds one
+send and one receive, which cannot cross: it goes through (Megatron's own
+``pipeline_parallel/test_pipeline_layout.py`` runs forward-only with PP2 and virtual stages
+and gives the single-rank losses).
 
 Megatron frees a stage's output right after posting its send (``deallocate_output_tensor``
 swaps the tensor's storage for a 1-element one; on by default in Megatron-LM). With NCCL the
@@ -43,6 +47,8 @@ def interleaved_guard(wrapped: Any, instance: Any, args: tuple, kwargs: dict) ->
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
+    if kwargs.get("forward_only"):  # no gradients travel back: one send and one receive per batched call
+        return wrapped(*args, **kwargs)
     model = kwargs.get("model")
     chunks = model if isinstance(model, list) else [model]
     if chunks and chunks[0] is not None:
