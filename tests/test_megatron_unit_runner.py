@@ -194,6 +194,9 @@ def test_a_checkout_pinning_another_pytest_is_said_once(tmp_path: Path) -> None:
     note = megatron_tests.pytest_pin_note(tmp_path, installed="9.2.0")
     assert note is not None and "pytest==8.3.5" in note and "pytest 9.2.0" in note and "TestNonStrictLoad" in note
     assert megatron_tests.pytest_pin_note(tmp_path, installed="8.3.5") is None
+    (tmp_path / "pyproject.toml").write_text('dev = ["pytest==9.1.1"]\n')  # core_v0.19.0's pin: no pytest-8 caveat
+    note = megatron_tests.pytest_pin_note(tmp_path, installed="9.2.0")
+    assert note is not None and "pytest==9.1.1" in note and "TestNonStrictLoad" not in note
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
     assert megatron_tests.pytest_pin_note(tmp_path, installed="9.2.0") is None
     assert megatron_tests.pytest_pin_note(tmp_path / "absent", installed="9.2.0") is None
