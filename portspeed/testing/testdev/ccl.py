@@ -2,7 +2,10 @@
 
 The backend itself is C++ (``csrc/ccl.cpp``): a ``c10d::Backend`` for the device type that
 stages every collective through a Gloo process group. Gloo's C++ headers are not shipped
-with torch, so the Gloo group is made here, in Python, and handed to the C++ backend.
+with torch, so the Gloo group is made here, in Python, and handed to the C++ backend. It is
+made the way portspeed makes its Gloo groups (``portspeed.comm.gloo_init``: connected at first
+use unless ``PORTSPEED_GLOO_LAZY_INIT=0`` or the user set ``TORCH_GLOO_LAZY_INIT``): Megatron
+creates dozens of groups, and an eager staging group connects all its pairs at creation.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ def _creator(ext: Any):
     def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
         from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo
 
+        from portspeed.comm.gloo_init import lazy_gloo
+
         options = ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [ProcessGroupGloo.create_default_device()]
-        gloo = ProcessGroupGloo(PrefixStore("testccl-staging/", store), rank, size, options)
+        with lazy_gloo("gloo"):
+            gloo = ProcessGroupGloo(PrefixStore("testccl-staging/", store), rank, size, options)
         return ext.create_backend(gloo, rank, size)
 
     return create
