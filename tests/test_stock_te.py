@@ -107,6 +107,22 @@ def test_te_spec_layouts_equal_tp1(te_run: dict, layout: str) -> None:
     _compare(te_run["losses"], _losses(text), f"TE spec {layout}")
 
 
+@pytest.mark.testdev
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "tp2pp2"])
+def test_te_spec_on_the_test_device_equals_cpu_tp1(te_run: dict, layout: str) -> None:
+    """The TE spec on portspeed's test device (a test device, not hardware): equal to the **CPU** TE-spec TP1 run.
+
+    A cross-device comparison: the portable TE's weights, RNG tracker and collectives must live on
+    the device, so a tensor left on the host or a collective on the wrong device shows here.
+    """
+    nproc, flags = LAYOUTS[layout]
+    text = run_stock_gpt(nproc, te_run["work"] / f"te_testdev_{layout}.log", *te_run["finetune"], *flags,
+                         accelerator="testdev", transformer_impl=None)
+    assert USED in text
+    _compare(te_run["losses"], _losses(text), f"TE spec {layout} on the test device")
+
+
 def test_bf16_te_spec_within_the_local_band(te_run: dict) -> None:
     """--bf16: TE-spec TP2 and local-spec TP1 within 2e-3 of TE-spec TP1."""
     work, flags = te_run["work"], (*te_run["finetune"], "--bf16")
