@@ -122,6 +122,21 @@ def batches(args: argparse.Namespace, dp_rank: int, dp: int, start: int) -> Iter
             yield x[step, lo:lo + mine], y[step, lo:lo + mine]
 
 
+def rank_devices(tensor: Any) -> list[str]:
+    """Every rank's device of ``tensor``, gathered over the world (-1 in the sum: the host)."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    index = tensor.device.index
+    ids = torch.zeros(world, dtype=torch.int64)
+    ids[rank] = (-1 if index is None else index) + 1
+    ids = ids.to(tensor.device)
+    dist.all_reduce(ids)
+    kind = tensor.device.type
+    return [kind if i == 0 else f"{kind}:{i - 1}" for i in ids.cpu().tolist()]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -175,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "start_step": start, "losses": losses,
         "ds_accelerator": type(deepspeed.accelerator.get_accelerator()).__name__,
         "stage_params": [n for n, _ in net.named_parameters()] if engine.is_first_stage() else None,
+        # every rank's parameter device (a stage's layers live on its rank's device)
+        "param_devices": rank_devices(next(net.parameters())),
         "partition_activations": bool(checkpointing.PARTITION_ACTIVATIONS),
     }
     if not args.no_portspeed:

@@ -237,6 +237,25 @@ def _param_sum(engine: Any) -> float:
         return float(sum(p.detach().double().abs().sum().item() for p in engine.module.parameters()))
 
 
+def rank_devices(tensor: Any) -> list[str]:
+    """Every rank's device of ``tensor`` (its own device, e.g. a parameter's), gathered over the world.
+
+    A collective over a one-hot vector of device indices (-1: the host), made on ``tensor``'s
+    device, so it runs on the backend the parameters use. Shows, e.g., two ranks sharing a device.
+    """
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    index = tensor.device.index
+    ids = torch.zeros(world, dtype=torch.int64)
+    ids[rank] = (-1 if index is None else index) + 1  # 0 for the host, so the sum over ranks is the list
+    ids = ids.to(tensor.device)
+    dist.all_reduce(ids)
+    kind = tensor.device.type
+    return [kind if i == 0 else f"{kind}:{i - 1}" for i in ids.cpu().tolist()]
+
+
 def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: Any = None) -> dict[str, Any]:
     """One engine: train (or resume), return the global per-step losses (fp16: loss scales and skips too)."""
     import deepspeed
@@ -295,6 +314,8 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
     params = list(engine.module.parameters())
     placement = {
         "param_device": str(params[0].device),
+        # every rank's (rank 0 writes the record): one device per rank, each rank on its own
+        "param_devices": rank_devices(params[0]),
         # ZeRO-3: where this rank's slice of a parameter lives (offload_param: the host)
         "partition_device": str(params[0].ds_tensor.device) if hasattr(params[0], "ds_tensor") else None,
         "optimizer": type(engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer")

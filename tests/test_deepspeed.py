@@ -23,7 +23,8 @@ Tolerances, per-step loss, relative:
   keep fp32 master weights and the SGD step, so only the fp16 gradient sums differ in order.
 - portspeed's test device (``PORTSPEED_ACCELERATOR=testdev``: a C++ PrivateUse1 device with
   its own memory and its CCL ``testccl``; a test device, not hardware) vs stock DeepSpeed
-  on CPU, same 2 ranks: the dtype's bound above. The device runs torch's CPU kernels and
+  on CPU, same 2 ranks (fp16, which stock refuses, and mpirun: vs the CPU adapter's run): the
+  dtype's bound above. The device runs torch's CPU kernels and
   testccl stages through Gloo, so 0 is what is observed; the bound leaves room for a device
   kernel or a CCL that sums in another order, and still catches a wrong reduction.
 """
@@ -67,8 +68,10 @@ FP16_RUNS = "0:fp16,2:fp16"
 #: the same with step OVERFLOW_AT's scaled gradients made to overflow
 OVERFLOW_RUNS = "0:fp16:overflow,2:fp16:overflow"
 OVERFLOW_AT = 2
-#: What runs on the test device in CI (3:bf16 meets a testccl gap the router rewrites)
+#: What runs on the test device in CI (3:bf16 meets a testccl gap the router rewrites), compared with stock CPU
 TESTDEV_RUNS = "1:fp32,2:fp32,3:fp32,1:bf16,2:bf16,3:bf16," + OFFLOAD_RUNS + "," + ADAM_OFFLOAD_RUNS
+#: ... and the fp16 runs there, compared with the CPU adapter's (stock DeepSpeed refuses fp16 on CPU)
+TESTDEV_FP16_RUNS = FP16_RUNS + "," + OVERFLOW_RUNS
 STEPS, SAVE_AT = 6, 3
 TOL = {"fp32": 1e-5, "bf16": 5e-3, "fp16": 1e-3}
 #: DeepSpeed's host ops, JIT-built once by `make ds-ops` into this cache inside the venv (every child gets it)
@@ -112,6 +115,15 @@ def _tail(stderr: str, chars: int = 6000) -> str:
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+#: the adapters a case runs on: the CPU adapter, and portspeed's test device (a test device, not hardware)
+ADAPTERS = ["cpu", pytest.param("testdev", marks=pytest.mark.testdev)]
+
+
+def _on(adapter: str, runs: dict[str, Any], request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The 2-rank record of ``adapter``: the CPU run, or the test device's (fixture ``testdev_run``, only then)."""
+    return runs["ported"] if adapter == "cpu" else request.getfixturevalue("testdev_run")
 
 
 @pytest.fixture(scope="module")
@@ -210,29 +222,43 @@ def test_offload_with_cpu_adam_equals_stock_and_single_process(runs: dict[str, A
 
 # ---------------------------------------------------------------------- fp16, dynamic loss scaling
 @pytest.mark.multiproc
-def test_fp16_zero2_matches_zero0_and_single_process(runs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_fp16_zero2_matches_zero0_and_single_process(runs: dict[str, Any], adapter: str,
+                                                     request: pytest.FixtureRequest) -> None:
     """fp16 ZeRO-2 vs fp16 ZeRO stage 0 (stock DeepSpeed refuses fp16 on its CPU accelerator), and vs 1 process.
 
     Band 1e-3 relative (fp16's unit roundoff is 4.9e-4; both keep fp32 master weights, so the
     difference is the order of the fp16 gradient sums). ZeRO-0's engine.backward leaves the loss
     unscaled in DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8393), which the example makes up for.
+    On the test device also against the CPU adapter's run (the same band).
     """
-    zero0, zero2 = runs["ported"]["runs"]["0:fp16"], runs["ported"]["runs"]["2:fp16"]
+    rec = _on(adapter, runs, request)
+    zero0, zero2 = rec["runs"]["0:fp16"], rec["runs"]["2:fp16"]
     _assert_within(zero2["losses"], zero0["losses"], "2:fp16", "ZeRO-2 vs ZeRO-0")
     for key in ("0:fp16", "2:fp16"):
-        _assert_within(runs["ported"]["runs"][key]["losses"], runs["single"]["runs"][key]["losses"], key,
+        _assert_within(rec["runs"][key]["losses"], runs["single"]["runs"][key]["losses"], key,
                        "2 ranks vs 1 process")
-        assert runs["ported"]["runs"][key]["fp16"]["skipped"] == [0] * STEPS  # no overflow at scale 2**16 here
+        assert rec["runs"][key]["fp16"]["skipped"] == [0] * STEPS  # no overflow at scale 2**16 here
+        if adapter != "cpu":
+            worst = _assert_within(rec["runs"][key]["losses"], runs["ported"]["runs"][key]["losses"], key,
+                                   "test device vs the CPU run")
+            print(f"{key}: test device vs CPU, worst relative difference {worst:.3g}")
     # and it trains: within 1e-3 of the fp32 run (an update 2**16 times too small stays at the start)
-    _assert_within(zero2["losses"], runs["ported"]["runs"]["2:fp32"]["losses"], "2:fp16", "fp16 vs fp32")
+    _assert_within(zero2["losses"], rec["runs"]["2:fp32"]["losses"], "2:fp16", "fp16 vs fp32")
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("stage", [0, 2])
-def test_fp16_overflow_step_is_skipped(runs: dict[str, Any], stage: int) -> None:
-    """A step whose scaled gradients overflow is skipped: parameters unchanged, loss scale halved, training goes on."""
-    got = runs["ported"]["runs"][f"{stage}:fp16:overflow"]
-    clean = runs["ported"]["runs"][f"{stage}:fp16"]
+def test_fp16_overflow_step_is_skipped(runs: dict[str, Any], stage: int, adapter: str,
+                                       request: pytest.FixtureRequest) -> None:
+    """A step whose scaled gradients overflow is skipped: parameters unchanged, loss scale halved, training goes on.
+
+    On the test device also: the same skips and loss scales as the CPU run, losses within its band.
+    """
+    rec = _on(adapter, runs, request)
+    got = rec["runs"][f"{stage}:fp16:overflow"]
+    clean = rec["runs"][f"{stage}:fp16"]
     fp16 = got["fp16"]
     assert fp16["skipped"] == [0] * OVERFLOW_AT + [1] * (STEPS - OVERFLOW_AT), fp16
     assert fp16["param_sum"][OVERFLOW_AT] == fp16["param_sum"][OVERFLOW_AT - 1], "the overflowed step changed weights"
@@ -241,39 +267,65 @@ def test_fp16_overflow_step_is_skipped(runs: dict[str, Any], stage: int) -> None
     # up to the overflowed step (its loss is computed before the step) the run is the clean run
     assert got["losses"][:OVERFLOW_AT + 1] == clean["losses"][:OVERFLOW_AT + 1]
     assert got["losses"][OVERFLOW_AT + 1] != clean["losses"][OVERFLOW_AT + 1]
-    other = runs["ported"]["runs"][f"{2 - stage}:fp16:overflow"]["losses"]
+    other = rec["runs"][f"{2 - stage}:fp16:overflow"]["losses"]
     _assert_within(got["losses"], other, f"{stage}:fp16", "overflow run, ZeRO-0 vs ZeRO-2")
+    if adapter != "cpu":
+        cpu = runs["ported"]["runs"][f"{stage}:fp16:overflow"]
+        assert (fp16["skipped"], fp16["scale"]) == (cpu["fp16"]["skipped"], cpu["fp16"]["scale"])
+        worst = _assert_within(got["losses"], cpu["losses"], f"{stage}:fp16", "overflow run, test device vs CPU")
+        print(f"{stage}:fp16:overflow: test device vs CPU, worst relative difference {worst:.3g}")
 
 
 # ---------------------------------------------------------------------- MPI discovery
-@pytest.mark.multiproc
-def test_mpirun_discovery_matches_torchrun(runs: dict[str, Any], tmp_path: Path) -> None:
-    """`mpirun -np 2` with no launcher variables: DeepSpeed's MPI discovery, 'nccl' routed, losses = the torchrun run."""
+def _mpirun(tmp_path: Path, keys: str, **env_extra: str) -> dict[str, Any]:
+    """``mpirun -np 2`` of the example with no launcher variables (DeepSpeed's MPI discovery); rank 0's record."""
     import shutil
     import subprocess
 
     mpirun = shutil.which("mpirun")
     assert mpirun, "Open MPI's mpirun is missing: `make sysdeps` (apt-get install -y openmpi-bin libopenmpi-dev)"
-    env = {k: v for k, v in _clean_env().items()
+    env = {k: v for k, v in _clean_env(**env_extra).items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONWARNINGS="ignore", PORTSPEED_TIMEOUT="120")
     out = tmp_path / "mpi.json"
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     from helpers.launch import free_port
 
-    keys = "2:fp32,3:fp32"
     cmd = [mpirun, "-np", "2", *root, "--oversubscribe", "--bind-to", "none", sys.executable, EXAMPLE,
            "--runs", keys, "--steps", str(STEPS), "--dist-backend", "nccl", "--dist-port", str(free_port()),
            "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, start_new_session=True)
     assert proc.returncode == 0 and out.exists(), f"mpirun failed ({proc.returncode}):\n{_tail(proc.stderr)}"
     rec = json.loads(out.read_text())
-    assert rec["mpi_launched"] and rec["world_size"] == 2 and rec["real_backend"] == "gloo"
-    assert rec["backend"] == "nccl"
-    assert {"requested": "nccl", "used": "gloo", "how": "mapped by portspeed.comm.router at init_process_group"} \
+    assert rec["mpi_launched"] and rec["world_size"] == 2 and rec["backend"] == "nccl"
+    return rec
+
+
+#: the runs the mpirun launches train
+MPI_RUNS = "2:fp32,3:fp32"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_mpirun_discovery_matches_torchrun(runs: dict[str, Any], tmp_path: Path, adapter: str) -> None:
+    """`mpirun -np 2` with no launcher variables: DeepSpeed's MPI discovery, 'nccl' routed, losses = the torchrun run.
+
+    On the test device: 'nccl' becomes testccl, each rank on its own device (the index DeepSpeed's
+    discovery derives), losses within the dtype's band of the CPU torchrun run.
+    """
+    rec = _mpirun(tmp_path, MPI_RUNS, **({} if adapter == "cpu" else TESTDEV))
+    used = "gloo" if adapter == "cpu" else "testccl"
+    assert rec["real_backend"] == used
+    assert {"requested": "nccl", "used": used, "how": "mapped by portspeed.comm.router at init_process_group"} \
         in rec["routes"]
-    for key in keys.split(","):
-        assert rec["runs"][key]["losses"] == runs["ported"]["runs"][key]["losses"], key
+    for key in MPI_RUNS.split(","):
+        got, ref = rec["runs"][key], runs["ported"]["runs"][key]
+        if adapter == "cpu":
+            assert got["losses"] == ref["losses"], key
+        else:
+            assert got["param_devices"] == ["testdev:0", "testdev:1"], key
+            worst = _assert_within(got["losses"], ref["losses"], key, "mpirun on the test device vs CPU torchrun")
+            print(f"{key}: mpirun on the test device vs CPU torchrun, worst relative difference {worst:.3g}")
 
 
 @pytest.mark.multiproc
@@ -325,9 +377,9 @@ def _assert_within(got: list[float], ref: list[float], key: str, what: str, step
 
 @pytest.fixture(scope="module")
 def testdev_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """ZeRO 1-3 (fp32, bf16, offload) on 2 test-device ranks through the adaptor."""
-    return _train(tmp_path_factory.mktemp("ds_testdev"), "testdev", 2, "--runs", TESTDEV_RUNS,
-                  env=_clean_env(**TESTDEV))
+    """ZeRO 1-3 (fp32, bf16, offload) and fp16 (ZeRO-0/2, an overflow) on 2 test-device ranks through the adaptor."""
+    return _train(tmp_path_factory.mktemp("ds_testdev"), "testdev", 2, "--runs",
+                  f"{TESTDEV_RUNS},{TESTDEV_FP16_RUNS}", "--overflow-at", str(OVERFLOW_AT), env=_clean_env(**TESTDEV))
 
 
 @pytest.mark.testdev
@@ -336,8 +388,10 @@ def test_testdev_runs_on_the_device_and_its_ccl(testdev_run: dict[str, Any]) -> 
     """The test-device run used portspeed's device accelerator, testccl, device parameters and real ZeRO-3 partitions."""
     assert testdev_run["ds_accelerator"] == "PortspeedAccelerator"
     assert testdev_run["real_backend"] == "testccl" and testdev_run["backend"] == "testccl"
+    assert set(testdev_run["runs"]) == set(f"{TESTDEV_RUNS},{TESTDEV_FP16_RUNS}".split(","))
     for key, run in testdev_run["runs"].items():
         assert run["param_device"] == "testdev:0", key  # rank 0's parameters live on its device
+        assert run["param_devices"] == ["testdev:0", "testdev:1"], key  # each rank on its own device
         assert len(set(run["losses"])) == STEPS, f"{key}: losses do not change from step to step"
         if key.startswith("3:"):
             assert run["partitioned_params"] == 6, f"{key}: ZeRO-3 did not partition the 6 parameters"
