@@ -144,15 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:
         _worker(args)
         return 0
-    from portspeed.testing import run_ranks
+    from portspeed.testing import print_rank0, run_ranks
 
-    results = run_ranks([__file__, *(argv if argv is not None else sys.argv[1:])], args.world, timeout=args.timeout)
-    for r in results:
-        if r.returncode != 0:
-            print(f"rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
-            return 1
-    print(results[0].stdout.strip())
-    return 0
+    return print_rank0(run_ranks([__file__, *(argv if argv is not None else sys.argv[1:])], args.world,
+                                 timeout=args.timeout))
 
 
 if __name__ == "__main__":

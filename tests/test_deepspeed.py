@@ -379,8 +379,9 @@ def _assert_within(got: list[float], ref: list[float], key: str, what: str, step
 def testdev_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """ZeRO 1-3 (fp32, bf16, offload) and fp16 (ZeRO-0/2, an overflow) on 2 test-device ranks through the adaptor."""
     tmp = tmp_path_factory.mktemp("ds_testdev")
-    return _train(tmp, "testdev", 2, "--save-dir", str(tmp / "ckpt"), "--save-at", str(SAVE_AT), "--runs",
-                  f"{TESTDEV_RUNS},{TESTDEV_FP16_RUNS}", "--overflow-at", str(OVERFLOW_AT), env=_clean_env(**TESTDEV))
+    record = _train(tmp, "testdev", 2, "--save-dir", str(tmp / "ckpt"), "--save-at", str(SAVE_AT), "--runs",
+                    f"{TESTDEV_RUNS},{TESTDEV_FP16_RUNS}", "--overflow-at", str(OVERFLOW_AT), env=_clean_env(**TESTDEV))
+    return {**record, "ckpt": tmp / "ckpt"}
 
 
 #: the test-device cases resumed from their own checkpoint: offload (a real device -> host move) and fp16
@@ -391,14 +392,9 @@ TESTDEV_RESUME_RUNS = OFFLOAD_RUNS + "," + ADAM_OFFLOAD_RUNS + "," + FP16_RUNS
 def testdev_resumed(testdev_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Fresh test-device processes load the checkpoints ``testdev_run`` saved after step 3 and train on."""
     tmp = tmp_path_factory.mktemp("ds_testdev_resumed")
-    return _train(tmp, "testdev_resumed", 2, "--resume-from", str(_testdev_ckpt(tmp_path_factory)), "--save-at",
+    assert testdev_run["ckpt"].is_dir(), f"the test-device run saved no checkpoint folder {testdev_run['ckpt']}"
+    return _train(tmp, "testdev_resumed", 2, "--resume-from", str(testdev_run["ckpt"]), "--save-at",
                   str(SAVE_AT), "--runs", TESTDEV_RESUME_RUNS, env=_clean_env(**TESTDEV))
-
-
-def _testdev_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    found = sorted(tmp_path_factory.getbasetemp().glob("ds_testdev[0-9]*/ckpt"))
-    assert found, "testdev_run saved no checkpoint folder"
-    return found[-1]
 
 
 @pytest.mark.testdev

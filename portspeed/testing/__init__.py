@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Sequence
 
-__all__ = ["RankResult", "free_port", "run_ranks"]
+__all__ = ["RankResult", "free_port", "print_rank0", "run_ranks"]
 
 
 def free_port() -> int:
@@ -73,3 +73,16 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
             out, err = p.communicate()
             results.append(RankResult(rank, None, out, err + f"\n[killed after {timeout:.0f} s]"))
     return results
+
+
+def print_rank0(results: list[RankResult]) -> int:
+    """Print rank 0's stdout and return 0, or the first failed rank's stderr tail (to stderr) and return 1.
+
+    The ending of a benchmark or tool that launched itself on ``run_ranks``.
+    """
+    for r in results:
+        if r.returncode != 0:
+            print(f"rank {r.rank} failed ({r.returncode}):\n{r.stderr[-3000:]}", file=sys.stderr)
+            return 1
+    print(results[0].stdout.strip())
+    return 0
