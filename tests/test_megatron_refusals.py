@@ -46,6 +46,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                   "hybridep"], "--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend hybridep)"),
     "tp_comm_overlap": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
                         "--tp-comm-overlap"),
+    "local_grouped_gemm": (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm with --transformer-impl local"),
 }
 
 
@@ -53,7 +54,7 @@ CASES: dict[str, tuple[list[str], str]] = {
 def _ns(**kw: object) -> argparse.Namespace:
     base = dict(context_parallel_size=1, enable_cuda_graph=False, external_cuda_graph=False, cuda_graph_impl="none",
                 moe_token_dispatcher_type="allgather", moe_flex_dispatcher_backend="deepep", moe_enable_deepep=False,
-                tp_comm_overlap=False)
+                tp_comm_overlap=False, transformer_impl="local")
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -68,6 +69,8 @@ def _ns(**kw: object) -> argparse.Namespace:
      "--moe-flex-dispatcher-backend ncclep"),
     ({"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True}, "--moe-enable-deepep"),
     ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ({"moe_grouped_gemm": True, "transformer_impl": "local"}, "--moe-grouped-gemm with --transformer-impl local"),
+    ({"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}, "--moe-use-legacy-grouped-gemm"),
 ])
 def test_each_cuda_only_option_is_named(kw: dict, flag: str) -> None:
     lines = training_cuda_only.refusals(_ns(**kw), "cpu")
@@ -102,7 +105,7 @@ VALIDATE = textwrap.dedent(
         args = parse_args()
         try:
             validate_args(args, {})
-            out[name] = "accepted"
+            out[name] = "accepted" + (" (moe_grouped_gemm)" if getattr(args, "moe_grouped_gemm", False) else "")
         except Exception as exc:  # what Megatron or portspeed says, whatever its type
             out[name] = f"{type(exc).__name__}: {exc}"
     status = {p["name"]: p["status"] for p in portspeed.report()}
@@ -141,10 +144,17 @@ def _validate(cases: dict[str, list[str]], **env: str) -> dict:
 def test_megatron_validation_refuses_each_flag_by_name() -> None:
     """Megatron-LM's parse_args + validate_args on real command lines: each case refused, naming its flag."""
     out = _validate({"portable": ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall"],
+                     "te_grouped_gemm": ["--transformer-impl", "transformer_engine", "--num-experts", "4",
+                                         "--moe-grouped-gemm"],
+                     "te_cp2": ["--transformer-impl", "transformer_engine", "--context-parallel-size", "2"],
                      **{name: flags for name, (flags, _) in CASES.items()}})
     meta = out.pop("_meta")
     assert meta["status"] == "applied", meta
     assert out.pop("portable") == "accepted", "a portable command line was refused"
+    # the TE path's grouped GEMM is the portable TE's: Megatron's compute-capability check is passed, the flag kept
+    assert out.pop("te_grouped_gemm") == "accepted (moe_grouped_gemm)"
+    # context parallelism on the TE path is the portable TE attention's; refused only with --transformer-impl local
+    assert out.pop("te_cp2") == "accepted", "CP2 on the TE path was refused"
     for name, (_, flag) in CASES.items():
         assert out[name].startswith("UnsupportedOptionError: portspeed:"), (name, out[name])
         assert flag in out[name], (name, flag, out[name])
@@ -157,6 +167,14 @@ def test_without_the_patch_megatron_accepts_context_parallelism() -> None:
     out = _validate({"cp2": CASES["cp2"][0]}, PORTSPEED_DISABLE=PATCH)
     assert out["_meta"]["status"] == "disabled", out["_meta"]
     assert out["cp2"] == "accepted", out["cp2"]
+
+
+def test_without_the_portable_te_megatron_refuses_grouped_gemm_by_capability() -> None:
+    """Control: with the portable TE off, Megatron's own compute-capability check stops --moe-grouped-gemm."""
+    out = _validate({"te_grouped_gemm": ["--transformer-impl", "transformer_engine", "--num-experts", "4",
+                                         "--moe-grouped-gemm"]},
+                    PORTSPEED_DISABLE="megatron.core.transformer_engine.portable")
+    assert out["te_grouped_gemm"].startswith("AssertionError: Unsupported compute capability"), out
 
 
 # ---------------------------------------------------------------------- the stock script

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from helpers.launch import torchrun
 
 from portspeed.errors import UnsupportedOptionError
-from portspeed.portable_te import attention, linear, namespace, norms, rng
+from portspeed.portable_te import attention, grouped, linear, namespace, norms, rng
 
 ATOL = 1e-6
 
@@ -65,6 +65,57 @@ def test_linear_and_layernorm_linear_equal_torch() -> None:
         torch.testing.assert_close(out, F.linear(h, lnl.weight), atol=ATOL, rtol=0)
         assert bias is lnl.bias, "return_bias hands the bias back, not added"
         assert (norm == "RMSNorm") == (lnl.layer_norm_bias is None)
+
+
+@pytest.mark.parametrize("return_bias", [False, True])
+def test_grouped_linear_equals_one_linear_per_expert(return_bias: bool) -> None:
+    """GroupedLinear (``--moe-grouped-gemm``) equals F.linear per expert on its rows, forward and every gradient,
+    an expert with no tokens included; with fuse_wgrad_accumulation the weight gradients go into main_grad."""
+    torch.manual_seed(0)
+    splits = [3, 0, 5]
+    x = torch.randn(8, 4, requires_grad=True)
+    layer = grouped.GroupedLinear(3, 4, 6, init_method=_init, bias=True, return_bias=return_bias, device="cpu")
+    ws = [getattr(layer, f"weight{i}").detach().clone().requires_grad_() for i in range(3)]
+    bs = [torch.randn(6) for _ in range(3)]
+    with torch.no_grad():
+        for i, b in enumerate(bs):
+            getattr(layer, f"bias{i}").copy_(b)
+    bs = [b.requires_grad_() for b in bs]
+    got = layer(x, splits)
+    out, biases = got if return_bias else (got, None)
+    ref = torch.cat([F.linear(c, w) for c, w in zip(torch.split(x, splits), ws)])
+    if not return_bias:
+        ref = ref + torch.cat([b.expand(n, -1) for b, n in zip(bs, splits)])
+    else:
+        assert [b.data_ptr() for b in biases] == [getattr(layer, f"bias{i}").data_ptr() for i in range(3)]
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    g = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+    (rx,) = torch.autograd.grad(ref, x, g, retain_graph=True)
+    torch.testing.assert_close(gx, rx, atol=ATOL, rtol=0)
+    out.backward(g)
+    ref.backward(g)
+    for i in range(3):
+        torch.testing.assert_close(getattr(layer, f"weight{i}").grad, ws[i].grad, atol=ATOL, rtol=0)
+        if not return_bias:
+            torch.testing.assert_close(getattr(layer, f"bias{i}").grad, bs[i].grad, atol=ATOL, rtol=0)
+    assert torch.count_nonzero(layer.weight1.grad) == 0  # expert 1 saw no tokens
+    assert all(getattr(layer, f"weight{i}").tensor_model_parallel for i in range(3))
+
+    fused = grouped.GroupedLinear(3, 4, 6, init_method=_init, bias=False, fuse_wgrad_accumulation=True, device="cpu")
+    for i in range(3):
+        w = getattr(fused, f"weight{i}")
+        w.main_grad = torch.zeros_like(w)
+        w.grad_added_to_main_grad = False
+    y = fused(x.detach(), splits)
+    y.backward(g)
+    for i, (c, gc) in enumerate(zip(torch.split(x.detach(), splits), torch.split(g, splits))):
+        torch.testing.assert_close(getattr(fused, f"weight{i}").main_grad, gc.t() @ c, atol=ATOL, rtol=0)
+        assert getattr(fused, f"weight{i}").grad_added_to_main_grad
+    with pytest.raises(ValueError, match="splits"):
+        fused(x.detach(), [1, 2])
+    with pytest.raises(UnsupportedOptionError, match="parallel_mode"):
+        grouped.GroupedLinear(2, 4, 4, parallel_mode="column", tp_size=2, device="cpu")
 
 
 def test_norms_zero_centred_gamma() -> None:
@@ -341,7 +392,7 @@ def test_megatron_rope_fusion_equals_megatrons_unfused_rope() -> None:
     (lambda: linear.Linear(8, 8, symmetric_ar_type="two_shot"), "--symmetric-ar-type"),
     (lambda: attention.DotProductAttention(4, 8, window_size=(4, 0)), "--window-size"),
     (lambda: attention.DotProductAttention(4, 8, softmax_type="learnable"), "--softmax-type"),
-    (lambda: namespace.GroupedLinear(2, 8, 8), "--moe-grouped-gemm"),
+    (lambda: grouped.GroupedLinear(2, 8, 8, delay_wgrad_compute=True, device="cpu"), "--delay-wgrad-compute"),
     (lambda: namespace.DelayedScaling(), "--fp8-format"),
     (lambda: namespace.fp8_autocast(enabled=True).__enter__(), "--fp8-format"),
     (lambda: namespace.build("2.6.0")["transformer_engine.pytorch.ops"].SwiGLU(), "--use-te-activation-func"),
@@ -415,6 +466,69 @@ def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -
             assert d["tp_attr"] == [True, 0, 1], d
             for key in ("y", "gx", "gw1", "gw2"):
                 assert d[key] <= 1e-5, f"{sp} {key}: {d[key]}"
+
+
+CP2_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import torch, torch.distributed as dist
+    from portspeed.portable_te import attention
+    dist.init_process_group("gloo")
+    rank, cp, out = dist.get_rank(), 2, {}
+    group = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    S, B, NP, NG, D = 8, 2, 4, 2, 8
+    Q, K, V = torch.randn(S, B, NP, D), torch.randn(S, B, NG, D), torch.randn(S, B, NG, D)
+    G = torch.randn(S, B, NP * D)
+    c = S // (2 * cp)
+    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    for fmt in ("sbhd", "bshd"):
+        for mask in ("causal", "no_mask"):
+            full = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask)
+            part = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask,
+                                                 cp_group=group, cp_global_ranks=[0, 1], cp_comm_type="p2p")
+            lay = (lambda t: t) if fmt == "sbhd" else (lambda t: t.transpose(0, 1).contiguous())
+            q, k, v = (lay(t).clone().requires_grad_() for t in (Q, K, V))
+            y = full(q, k, v)
+            y.backward(lay(G))
+            ql, kl, vl = (lay(t[mine]).clone().requires_grad_() for t in (Q, K, V))
+            yl = part(ql, kl, vl)
+            yl.backward(lay(G[mine]))
+            pick = (lambda t: t[mine]) if fmt == "sbhd" else (lambda t: t[:, mine])
+            out[fmt + "-" + mask] = {
+                "y": (yl - pick(y)).abs().max().item(), "gq": (ql.grad - pick(q.grad)).abs().max().item(),
+                "gk": (kl.grad - pick(k.grad)).abs().max().item(), "gv": (vl.grad - pick(v.grad)).abs().max().item()}
+    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_rank_context_parallel_attention_equals_single_process(tmp_path: Path) -> None:
+    """Context parallelism (CP2, Megatron's two-chunks-per-rank split): each rank's output and its q/k/v gradients
+    equal the single-process attention over the whole sequence at that rank's positions (causal and no mask,
+    GQA, both layouts); the key/value gradients come back to their owners through the reduce-scatter."""
+    script = tmp_path / "cp2.py"
+    script.write_text(CP2_SCRIPT)
+    res = torchrun(str(script), 2, timeout=240, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
+    assert sorted(r["rank"] for r in rows) == [0, 1], res.stdout[-2000:]
+    for row in rows:
+        for case, d in row.items():
+            if case == "rank":
+                continue
+            for key in ("y", "gq", "gk", "gv"):
+                assert d[key] <= 1e-5, f"rank {row['rank']} {case} {key}: {d[key]}"
+
+
+def test_context_parallel_refusals_name_what_avoids_them() -> None:
+    with pytest.raises(UnsupportedOptionError, match="--cp-comm-type"):
+        attention.DotProductAttention(4, 8, cp_group=[None, None], cp_comm_type="a2a+p2p")
+    with pytest.raises(UnsupportedOptionError, match="--cp-comm-type"):
+        attention.DotProductAttention(4, 8, cp_comm_type="ring")
 
 
 @pytest.mark.parametrize("field, flag", [("fp8", "--fp8-format"), ("fp4", "--fp4-format"),

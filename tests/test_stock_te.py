@@ -48,6 +48,8 @@ LAYOUTS = {
     "dp2": (2, ()),
     "tp2sp": (2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
     "tp2pp2": (4, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2")),
+    "cp2": (2, ("--context-parallel-size", "2")),
+    "tp2cp2": (4, ("--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel")),
 }
 
 
@@ -109,7 +111,7 @@ def test_te_spec_layouts_equal_tp1(te_run: dict, layout: str) -> None:
 
 @pytest.mark.testdev
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "tp2pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "tp2pp2", "cp2"])
 def test_te_spec_on_the_test_device_equals_cpu_tp1(te_run: dict, layout: str) -> None:
     """The TE spec on portspeed's test device (a test device, not hardware): equal to the **CPU** TE-spec TP1 run.
 
@@ -134,20 +136,44 @@ def test_bf16_te_spec_within_the_local_band(te_run: dict) -> None:
     _compare(ref, local, "bf16 local spec TP1", BF16_TOLERANCE)
 
 
-def test_moe_te_spec_ep2_equals_ep1(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A TE-spec MoE checkpoint (4 experts, top-2, SequentialMLP) after 3 iterations, and its EP1 fine-tune."""
+    work = tmp_path_factory.mktemp("stock_te_moe")
+    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--eval-interval", "1000")
+    ckpt = work / "ckpt"
+    run_stock_gpt(1, work / "save.log", *moe, "--train-iters", "3", "--save", str(ckpt), "--save-interval", "3",
+                  transformer_impl=None)
+    finetune = (*moe, "--train-iters", str(ITERS), "--load", str(ckpt), "--finetune")
+    return {"work": work, "finetune": finetune,
+            "ep1": _losses(run_stock_gpt(1, work / "ep1.log", *finetune, transformer_impl=None))}
+
+
+def test_moe_te_spec_ep2_equals_ep1(moe_ckpt: dict) -> None:
     """MoE on the TE spec (4 experts, top-2, no --moe-grouped-gemm: a SequentialMLP of portable TE linears):
     expert-parallel 2 equals 1 within 1e-5 from a shared checkpoint (dropless routing sees the same tokens;
     only reduction order differs; measured 1e-6, the log's resolution). The local spec cannot load this
     checkpoint: its MoE layer maps ``pre_mlp_layernorm`` onto ``mlp.linear_fc1.layer_norm_`` as if dense."""
-    moe = ("--num-experts", "4", "--moe-router-topk", "2", "--eval-interval", "1000")
-    ckpt = tmp_path / "ckpt"
-    run_stock_gpt(1, tmp_path / "save.log", *moe, "--train-iters", "3", "--save", str(ckpt), "--save-interval", "3",
-                  transformer_impl=None)
-    finetune = (*moe, "--train-iters", str(ITERS), "--load", str(ckpt), "--finetune")
-    ep1 = _losses(run_stock_gpt(1, tmp_path / "ep1.log", *finetune, transformer_impl=None))
-    ep2 = _losses(run_stock_gpt(2, tmp_path / "ep2.log", *finetune, "--expert-model-parallel-size", "2",
-                                transformer_impl=None))
-    _compare(ep1, ep2, "MoE TE spec EP2 (vs EP1)")
+    ep2 = _losses(run_stock_gpt(2, moe_ckpt["work"] / "ep2.log", *moe_ckpt["finetune"],
+                                "--expert-model-parallel-size", "2", transformer_impl=None))
+    _compare(moe_ckpt["ep1"], ep2, "MoE TE spec EP2 (vs EP1)")
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "ep2-testdev"])
+def test_moe_grouped_gemm_equals_sequential_experts(moe_ckpt: dict, layout: str) -> None:
+    """``--moe-grouped-gemm`` (TEGroupedMLP over the portable GroupedLinear) from the SequentialMLP checkpoint equals
+    the SequentialMLP EP1 run within 1e-5: Megatron gives both expert layouts the same checkpoint keys, and the
+    grouped layer does one matmul per expert, the sequential layer's arithmetic (so EP2 differs only in
+    reduction order, as above). Megatron's compute-capability check for the flag is passed by portspeed, which
+    says so in the log. ``ep2-testdev``: the same on the test device, against the CPU run."""
+    nproc, extra = (1, ()) if layout == "ep1" else (2, ("--expert-model-parallel-size", "2"))
+    accelerator = "testdev" if layout.endswith("testdev") else "cpu"
+    text = run_stock_gpt(nproc, moe_ckpt["work"] / f"grouped_{layout}.log", *moe_ckpt["finetune"], *extra,
+                         "--moe-grouped-gemm", transformer_impl=None, accelerator=accelerator)
+    # TEGroupedMLP's parameters are experts.linear_fc1.weight<i>; SequentialMLP's experts.local_experts.<i>.*
+    assert "mlp.experts.linear_fc1.weight0" in text and "local_experts" not in text, "no grouped experts were built"
+    assert "--moe-grouped-gemm: Megatron checks for a CUDA compute capability" in text
+    _compare(moe_ckpt["ep1"], _losses(text), f"MoE grouped GEMM {layout.upper()} (vs SequentialMLP EP1)")
 
 
 def test_fp8_is_refused_at_start_up(tmp_path: Path) -> None:

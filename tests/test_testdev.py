@@ -308,3 +308,29 @@ def test_testccl_moves_device_tensors_and_declares_gaps(tmp_path) -> None:
         assert "does not support bfloat16" in out["bf16_reduce_scatter"]
         assert out["host_tensor"] != "no error", "a host tensor went through the device-only CCL"
     assert outs[0]["before_wait"] == [0.0, 0.0] and outs[0]["after_wait"] == [9.0, 9.0]
+
+
+def test_testccl_staging_group_connects_at_first_use() -> None:
+    """testccl's staging Gloo group is lazy (portspeed's lazy Gloo setting): creating a group of two with the
+    peer absent returns at once; with PORTSPEED_GLOO_LAZY_INIT=0 it waits for the peer (the control).
+
+    torch reads TORCH_GLOO_LAZY_INIT when the Gloo options are made; options made outside portspeed's lazy
+    block gave eager staging groups, which Megatron's 8-rank unit tests then connected dozens of times.
+    """
+    code = """
+        import datetime, time
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=3), wait_for_workers=False)
+        create = dist.Backend._plugins["TESTCCL"].creator_fn
+        t = time.time()
+        try:
+            create(dist.PrefixStore("g/", store), 0, 2, datetime.timedelta(seconds=3))
+            print("MADE %.2f" % (time.time() - t))
+        except Exception as exc:
+            print("RAISED %.2f %s" % (time.time() - t, type(exc).__name__))
+    """
+    lazy = _run(code)
+    assert "MADE" in lazy, lazy
+    assert float(lazy.split("MADE ")[1].split()[0]) < 2.5, lazy
+    eager = _run(code, PORTSPEED_GLOO_LAZY_INIT="0")
+    assert "RAISED" in eager, f"control: an eager staging group should wait for its absent peer: {eager}"

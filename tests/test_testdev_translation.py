@@ -115,6 +115,36 @@ def test_p2p_send_copy_follows_the_backend_not_the_device(tmp_path: Path) -> Non
     """)
 
 
+def test_megatron_groups_dropped_on_the_test_device_are_destroyed(tmp_path: Path) -> None:
+    """Each testccl group owns a staging Gloo group: ``destroy_model_parallel`` must not leave them behind.
+
+    Megatron drops its 'nccl' groups without destroying them; before the teardown patch
+    covered testccl, Megatron's ``test_parallel_state.py`` piled up ~1,300 threads per rank.
+    """
+    _run(tmp_path, f"""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+        from portspeed.accelerator.conditions import groups_hold_host_threads
+        from portspeed.adapters.cpu import CpuAccelerator
+        from portspeed.adapters.cuda import CudaAccelerator
+        from portspeed.testing.standin_ccl import StandinAccelerator
+        from portspeed.patches.megatron.core_group_teardown import groups_in
+        assert groups_hold_host_threads(portspeed.get_accelerator())
+        assert groups_hold_host_threads(CpuAccelerator()) and groups_hold_host_threads(StandinAccelerator())
+        assert not groups_hold_host_threads(CudaAccelerator()), "NCCL communicators are made lazily"
+        from megatron.core import parallel_state as ps
+        dist.init_process_group("nccl", rank=0, world_size=1, init_method="file://{tmp_path / 'store'}")
+        for _ in range(3):
+            ps.initialize_model_parallel()
+            held = [g for g in groups_in(vars(ps)) if g is not c10d._get_default_group()]
+            assert sum(c10d._world.pg_map[g][0] == "testccl" for g in held) > 5  # and Megatron's own Gloo twins
+            ps.destroy_model_parallel()
+            left = [g for g in held if g in c10d._world.pg_map and "testccl" in str(c10d._world.pg_map[g][0])]
+            assert not left, "%d testccl groups outlived destroy_model_parallel" % len(left)
+        dist.destroy_process_group()
+    """)
+
+
 OFFLOAD = """
 import os, torch, torch.distributed as dist
 import portspeed, portspeed.megatron_adaptor as adaptor

@@ -22,6 +22,16 @@ Before validation: with tensor or context parallelism Megatron asserts
 ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (one CUDA launch queue, so communication kernels keep
 program order). Off CUDA every operation already runs in program order, so an unset
 variable is set to ``1``, with one line saying so; a value the user set is left alone.
+
+``--moe-grouped-gemm`` on the portable Transformer Engine: Megatron-LM's ``validate_args``
+asserts ``torch.cuda.get_device_capability()[0] >= 8`` ("Unsupported compute capability for
+GroupedGEMM kernels"): the check stands for "this GPU has the grouped-GEMM kernels". Off CUDA
+the translated capability is (0, 0), so the check fails although the experts' grouped linear
+that will run is the portable Transformer Engine's (``portable_te/grouped.py``, one matmul per
+expert on any device). When that layer is the one Megatron will build (the TE path, the
+portable TE patch applied, not ``--moe-use-legacy-grouped-gemm``), the flag is hidden from that
+one check while Megatron validates, then restored, with one line saying so. Otherwise the check
+stays and ``training_cuda_only`` refuses the legacy grouped GEMM by name.
 """
 
 from __future__ import annotations
@@ -34,11 +44,11 @@ from portspeed.accelerator import get_accelerator
 from portspeed.accelerator.conditions import translated
 from portspeed.patching.record import WRAP, Patch
 
-from ._training_common import log_once
+from ._training_common import log_once, portable_te_path
 from .core_fallbacks import FALLBACKS
 from .ranges import DISTRIBUTION, TRAINING
 
-__all__ = ["PATCHES", "KERNEL_FALLBACKS", "fall_back_to_torch_paths"]
+__all__ = ["PATCHES", "KERNEL_FALLBACKS", "fall_back_to_torch_paths", "portable_grouped_gemm"]
 
 #: (args attribute that enables it, value that turns it off, attribute to set, module of the kernel, flag)
 KERNEL_FALLBACKS: tuple[tuple[str, str, Any, str, str], ...] = (
@@ -72,12 +82,28 @@ def _one_launch_queue(args: Any) -> None:
                  get_accelerator().name)
 
 
+def portable_grouped_gemm(args: Any) -> bool:
+    """``--moe-grouped-gemm`` will build the portable TE's GroupedLinear (not TE's CUDA kernel, not the legacy one)."""
+    return (bool(getattr(args, "moe_grouped_gemm", False)) and not getattr(args, "moe_use_legacy_grouped_gemm", False)
+            and portable_te_path(args))
+
+
 def fall_back_to_torch_paths(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of validate_args(args, defaults): see the module docstring."""
     margs = args[0] if args else kwargs.get("args")
+    hide_grouped_gemm = margs is not None and portable_grouped_gemm(margs)
     if margs is not None:
         _one_launch_queue(margs)
-    result = wrapped(*args, **kwargs)
+    if hide_grouped_gemm:
+        margs.moe_grouped_gemm = False
+        log_once("grouped_gemm", "portspeed: --moe-grouped-gemm: Megatron checks for a CUDA compute capability >= 8 "
+                 "(its grouped-GEMM kernels); the experts run the portable Transformer Engine's GroupedLinear "
+                 "(one matmul per expert) on the %s adapter instead, so that check is skipped", get_accelerator().name)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        if hide_grouped_gemm:
+            margs.moe_grouped_gemm = True
     if margs is not None:
         name = get_accelerator().name
         for feature, attr, off_value, module, flag in KERNEL_FALLBACKS:

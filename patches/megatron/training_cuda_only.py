@@ -1,9 +1,11 @@
 """Megatron-LM options whose only implementation is CUDA machinery: refused at start-up, naming the flag.
 
 Why: each of these options is accepted by Megatron's argument validation on any machine and
-then fails far from the command line, or not at all where it should: context parallelism
-builds the model and dies in the local ``DotProductAttention`` ("Context parallelism is only
-supported by TEDotProductAttention!") after the process groups and data are set up; CUDA
+then fails far from the command line, or not at all where it should: context parallelism with
+``--transformer-impl local`` builds the model and dies in the local ``DotProductAttention``
+("Context parallelism is only supported by TEDotProductAttention!") after the process groups and
+data are set up (on the TE path, Megatron-LM's default, the portable Transformer Engine's attention
+does context parallelism, so nothing is refused there); CUDA
 graph capture, DeepEP / HybridEP / NCCL-EP token dispatch and Transformer Engine's
 userbuffers overlap need CUDA kernels or libraries that no other adapter has. Off CUDA
 (the ``translated`` condition) the arguments are checked *before* Megatron validates them,
@@ -16,7 +18,9 @@ and the ``TransformerConfig`` fields it turns into flags): ``--context-parallel-
 ``--enable-cuda-graph``, ``--external-cuda-graph``, ``--cuda-graph-impl`` (``local``,
 ``transformer_engine``; ``full_iteration`` from 0.19), ``--moe-token-dispatcher-type flex``
 with ``--moe-flex-dispatcher-backend`` (``deepep``, ``hybridep``; ``ncclep`` from 0.19) or
-the deprecated ``--moe-enable-deepep``, and ``--tp-comm-overlap``.
+the deprecated ``--moe-enable-deepep``, ``--tp-comm-overlap``, and ``--moe-grouped-gemm`` with
+``--transformer-impl local`` or ``--moe-use-legacy-grouped-gemm`` (the legacy GroupedMLP's
+``grouped_gemm`` kernels; on the TE path the portable Transformer Engine runs grouped experts).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from portspeed.accelerator.conditions import translated
 from portspeed.errors import UnsupportedOptionError
 from portspeed.patching.record import WRAP, Patch
 
+from ._training_common import portable_te_path
 from .ranges import DISTRIBUTION, TRAINING
 
 __all__ = ["PATCHES", "refusals", "refuse_cuda_only_options"]
@@ -48,12 +53,12 @@ def _te_missing(adapter: str) -> str:
 
 def _context_parallel(args: Any, adapter: str) -> list[str]:
     cp = getattr(args, "context_parallel_size", 1) or 1
-    if cp <= 1:
-        return []
+    if cp <= 1 or portable_te_path(args):
+        return []  # on the TE path the portable Transformer Engine's attention does context parallelism
     return [f"--context-parallel-size {cp}: context parallelism needs Transformer Engine's attention "
             f"(TEDotProductAttention); Megatron's local DotProductAttention asserts a context-parallel size of 1, "
-            f"and {_te_missing(adapter)} (portspeed's portable Transformer Engine does not do context "
-            f"parallelism either). Use --context-parallel-size 1 and split the model with tensor, "
+            f"and {_te_missing(adapter)}. Leave --transformer-impl at its default (portspeed's portable Transformer "
+            f"Engine does context parallelism), or use --context-parallel-size 1 and split the model with tensor, "
             f"pipeline or data parallelism"]
 
 
@@ -101,9 +106,24 @@ def _userbuffers(args: Any, adapter: str) -> list[str]:
             "adapter)"]
 
 
+def _local_grouped_gemm(args: Any, adapter: str) -> list[str]:
+    if not getattr(args, "moe_grouped_gemm", False):
+        return []
+    if getattr(args, "moe_use_legacy_grouped_gemm", False):
+        how = "--moe-use-legacy-grouped-gemm"
+    elif getattr(args, "transformer_impl", "transformer_engine") == "local":
+        how = "--transformer-impl local"
+    else:
+        return []  # the TE path: the portable Transformer Engine's GroupedLinear (training_arguments.py)
+    return [f"--moe-grouped-gemm with {how}: Megatron's legacy GroupedMLP, whose grouped_gemm package has CUDA "
+            f"kernels only (Megatron-LM asserts a CUDA compute capability >= 8 for it); leave --transformer-impl at "
+            f"its default without {how} (portspeed's portable Transformer Engine runs the grouped experts on the "
+            f"{adapter} adapter), or drop --moe-grouped-gemm"]
+
+
 #: every check: (args, adapter name) -> one line per offending flag
 CHECKS: tuple[Callable[[Any, str], list[str]], ...] = (_context_parallel, _cuda_graphs, _flex_dispatcher,
-                                                       _userbuffers)
+                                                       _userbuffers, _local_grouped_gemm)
 
 
 def refusals(args: Any, adapter: str) -> list[str]:
@@ -135,7 +155,8 @@ PATCHES: list[Patch] = [
         when=translated,
         order=1,  # outside validate_args.torch_paths: nothing runs before the refusal
         reason="context parallelism (Transformer Engine's attention), CUDA graphs, the flex MoE token dispatcher "
-        "(DeepEP, HybridEP, NCCL EP) and --tp-comm-overlap (userbuffers) need CUDA-only machinery; Megatron "
+        "(DeepEP, HybridEP, NCCL EP), --tp-comm-overlap (userbuffers) and the legacy grouped GEMM need CUDA-only "
+        "machinery; Megatron "
         "accepts them and fails later or deep inside, so refuse them at start-up naming the flag.",
     ),
 ]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from portspeed.accelerator.contract import Accelerator
 
-__all__ = ["translated", "device_is_host", "sends_from_buffer"]
+__all__ = ["translated", "device_is_host", "sends_from_buffer", "groups_hold_host_threads"]
 
 
 def translated(acc: Accelerator) -> bool:
@@ -38,3 +38,12 @@ def sends_from_buffer(acc: Accelerator) -> bool:
     completes (``Capabilities.sends_from_buffer``).
     """
     return bool(acc.capabilities().sends_from_buffer)
+
+
+def groups_hold_host_threads(acc: Accelerator) -> bool:
+    """The adapter's collective backend keeps host threads per group until it is destroyed (Gloo, testccl).
+
+    Such a backend pays for every group the framework drops without destroying it
+    (``Capabilities.groups_hold_host_threads``).
+    """
+    return bool(acc.capabilities().groups_hold_host_threads)

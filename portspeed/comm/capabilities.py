@@ -155,6 +155,10 @@ class Capabilities:
     #: taken its data when the call returned (NCCL's stream order, a staging CCL): then the
     #: caller must not free or reuse the tensor before wait(), and Megatron's p2p does
     sends_from_buffer: bool = False
+    #: each group of this backend keeps host worker threads and sockets until it is destroyed
+    #: (Gloo; a CCL that stages through a Gloo group): a group the framework drops without
+    #: destroying it keeps them, so portspeed destroys the ones Megatron forgets
+    groups_hold_host_threads: bool = False
 
     def __post_init__(self) -> None:
         index: dict[str, tuple[Gap, ...]] = {}
@@ -254,6 +258,9 @@ class BackendGaps:
     #: see ``Capabilities.sends_from_buffer``: True when the library reads a send's tensor until
     #: the send completes (portspeed then sends private copies from Megatron's pipeline p2p)
     sends_from_buffer: bool = False
+    #: see ``Capabilities.groups_hold_host_threads``: True when each group of the library keeps
+    #: host threads or sockets until destroyed (it stages through Gloo, or works like it)
+    groups_hold_host_threads: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -293,7 +300,8 @@ def _declared(gaps: BackendGaps, backend: str, torch_version: str | None, adapte
     notes = tuple(n for n in base.notes if "no capability table" not in n)
     notes += (f"gaps declared by {who}: {gaps.note}",)
     return Capabilities(backend=backend, torch_version=base.torch_version, gaps=base.gaps + gaps.gaps(),
-                        notes=notes, sends_from_buffer=base.sends_from_buffer or gaps.sends_from_buffer)
+                        notes=notes, sends_from_buffer=base.sends_from_buffer or gaps.sends_from_buffer,
+                        groups_hold_host_threads=base.groups_hold_host_threads or gaps.groups_hold_host_threads)
 
 
 # ---------------------------------------------------------------------- tables
@@ -339,6 +347,8 @@ _TABLES = {
 TABLED_BACKENDS = frozenset(_TABLES)
 #: torch's backends that read a send's tensor while the send is in flight (host memory, no stream)
 _SENDS_FROM_BUFFER = frozenset({"gloo"})
+#: torch's backends whose groups keep host worker threads and sockets until destroyed
+_HOLD_HOST_THREADS = frozenset({"gloo"})
 
 
 def check_backend_name(name: str) -> None:
@@ -389,4 +399,5 @@ def capabilities_for(backend: str, torch_version: str | None = None) -> Capabili
                      "its collectives go straight through")
         return Capabilities(backend=name, torch_version=str(v), notes=tuple(notes))
     return Capabilities(backend=name, torch_version=str(v), gaps=tuple(table(v)), notes=tuple(notes),
-                        sends_from_buffer=name in _SENDS_FROM_BUFFER)
+                        sends_from_buffer=name in _SENDS_FROM_BUFFER,
+                        groups_hold_host_threads=name in _HOLD_HOST_THREADS)

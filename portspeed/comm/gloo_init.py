@@ -7,9 +7,11 @@ between its members before ``new_group`` returns, each connection going through 
 store. On a host backend with many ranks on few cores that mesh-building is where the
 time goes (Megatron-LM's own 8-rank unit tests on 2 cores: see docs/megatron-unit-tests.md
 and ``benchmarks/bench_gloo_lazy_init.py``), while most of those groups carry few or no
-collectives. torch (from 2.8, the ``TORCH_GLOO_LAZY_INIT`` environment variable read when a
-``ProcessGroupGloo`` is constructed; documented under "Improving initialization time")
-can instead connect each pair on its first use.
+collectives. torch (from 2.8, the ``TORCH_GLOO_LAZY_INIT`` environment variable; documented
+under "Improving initialization time") can instead connect each pair on its first use. torch
+reads the variable when a group's ``ProcessGroupGloo._Options()`` is made (torch 2.13: options
+made before the variable is set give an eager group), so code that builds a Gloo group itself
+must make its options inside ``lazy_gloo`` too (the test device's CCL does).
 
 What portspeed does: the group wrappers (``portspeed.comm.groups``) create every group
 whose real backend includes Gloo inside ``lazy_gloo(backend)``, which sets

@@ -18,7 +18,8 @@ Contract
 - ``destroy_process_group``: forgets the group's name and clears the capability cache.
 - ``capabilities_of(group, device_type)``: the active adapter's record for the group's real
   backend (``Accelerator.capabilities(backend)``), asked once per group and cached;
-  ``use_capabilities`` makes a group follow another record (tests replaying other tables).
+  ``use_capabilities`` makes a group follow another record (tests replaying other tables);
+  ``holds_host_threads(group)``: whether that record says the group keeps host threads.
 
 Limits: ``_CAPS`` is keyed by group (None = the default group, as callers pass it) and is
 only ever mutated, never rebound: the routed collectives hold its bound ``get``.
@@ -40,6 +41,7 @@ from portspeed.comm.gloo_init import lazy_gloo
 
 __all__ = [
     "capabilities_of",
+    "holds_host_threads",
     "use_capabilities",
     "wrap_init_process_group",
     "wrap_new_group",
@@ -176,6 +178,14 @@ def capabilities_of(group: Any = None, device_type: str = "cpu") -> Capabilities
     if type(caps) is dict:
         return caps.get(device_type) or capabilities_for("unknown")
     return caps
+
+
+def holds_host_threads(group: Any) -> bool:
+    """Whether ``group`` runs (for any device type) on a backend that keeps host threads per group."""
+    capabilities_of(group)  # resolves the group's table(s) once and caches them in _CAPS
+    entry = _CAPS.get(group)
+    tables = entry.values() if type(entry) is dict else [entry]
+    return any(t is not None and t.groups_hold_host_threads for t in tables)
 
 
 def use_capabilities(caps: Capabilities, group: Any = None) -> None:

@@ -11,8 +11,20 @@ then ``probs v``.
 
 Masks (``attn_mask_type``): ``causal`` (upper triangle; a mask passed along is not needed),
 ``padding`` / ``arbitrary`` (the boolean ``attention_mask``, True = masked out), ``padding_causal``
-(both), ``no_mask``. Refused: packed sequences (``thd``, ``cu_seqlens``), context parallelism,
-sliding windows, non-vanilla softmax, attention bias, max-logit reporting, fp8 attention.
+(both), ``no_mask``.
+
+Context parallelism (``cp_group`` of more than one rank, ``--context-parallel-size``): Megatron
+gives each CP rank two chunks of every sequence, chunk ``r`` and chunk ``2 cp - 1 - r`` of ``2 cp``
+equal chunks (load balance for the causal mask), and keeps the rest of the flow (loss, RoPE slices,
+gradients) itself. Here the key and value chunks are all-gathered over the CP group (their
+gradients reduce-scattered back, ``comm.gather_sequence``) and the local queries attend to the
+whole sequence, the causal mask built from the chunks' global positions: the all-gather form of
+context parallelism, for every ``cp_comm_type`` Megatron passes (``p2p``, ``all_gather``, ``a2a``:
+one arithmetic, the communication pattern is TE's choice and not visible in the result).
+Hierarchical ``a2a+p2p`` (a list of groups) and padding masks with CP are refused.
+
+Refused: packed sequences (``thd``, ``cu_seqlens``), sliding windows, non-vanilla softmax, attention
+bias, max-logit reporting, fp8 attention.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import comm
 from .base import PortableModule, check_config
 from .refuse import refuse, refuse_if
 
@@ -63,10 +76,8 @@ class DotProductAttention(PortableModule):
                  attention_type: str = "self", softmax_scale: float | None = None, **options: Any) -> None:
         super().__init__()
         check_config(self)
-        for key in ("cp_group", "cp_global_ranks", "cp_stream", "cp_comm_type"):
-            refuse_if(options.pop(key, None) not in (None, "p2p"),
-                      "context parallelism in Transformer Engine attention (--context-parallel-size > 1)",
-                      "use --context-parallel-size 1")
+        self.set_context_parallel_group(options.pop("cp_group", None), options.pop("cp_global_ranks", None),
+                                        options.pop("cp_stream", None), options.pop("cp_comm_type", "p2p"))
         refuse_if(window_size not in (None, (-1, -1), (-1, 0)), "sliding-window attention (--window-size)",
                   "drop --window-size")
         refuse_if(options.pop("softmax_type", "vanilla") != "vanilla", "softmax types other than vanilla (--softmax-type)",
@@ -94,6 +105,17 @@ class DotProductAttention(PortableModule):
         self.layer_number, self.tp_group, self.sequence_parallel = layer_number, tp_group, sequence_parallel
         self.attention_dropout = torch.nn.Dropout(attention_dropout)
         self.get_rng_state_tracker = get_rng_state_tracker
+
+    def set_context_parallel_group(self, cp_group: Any, cp_global_ranks: Any = None, cp_stream: Any = None,
+                                   cp_comm_type: str | None = "p2p") -> None:
+        """TE's API (Megatron calls it at build time and for dynamic CP): None or a group of one turns CP off."""
+        if isinstance(cp_group, (list, tuple)):
+            refuse(f"hierarchical context parallelism (cp_comm_type={cp_comm_type!r})",
+                   "use --cp-comm-type p2p, all_gather or a2a")
+        if cp_comm_type not in (None, "p2p", "all_gather", "a2a"):
+            refuse(f"context parallelism with cp_comm_type={cp_comm_type!r}", "use --cp-comm-type p2p, all_gather or a2a")
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
+        self.cp_size = comm.group_size(cp_group) if cp_group is not None else 1
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
@@ -136,6 +158,14 @@ class DotProductAttention(PortableModule):
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
         else:
             q, k, v = (t.permute(0, 2, 1, 3) for t in (query_layer, key_layer, value_layer))
+        cp = self.cp_size
+        positions = None
+        if cp > 1:
+            refuse_if("padding" in mask_type or mask_type == "arbitrary",
+                      f"attention masks of type {mask_type!r} with context parallelism", "use a causal or no mask")
+            k, v = (self._gather_over_cp(t) for t in (k, v))
+            positions = (_cp_positions(q.shape[2], cp, _rank_in(self.cp_group), q.device),
+                         torch.cat([_cp_positions(q.shape[2], cp, i, q.device) for i in range(cp)]))
         sq, sk = q.shape[2], k.shape[2]
         mask = None
         if mask_type in ("padding", "padding_causal", "arbitrary", "padding_causal_bottom_right"):
@@ -143,7 +173,9 @@ class DotProductAttention(PortableModule):
                 refuse_if(attention_mask[0] is not attention_mask[1], "separate query/key padding masks", "pass one")
                 attention_mask = attention_mask[0]
             mask = attention_mask
-        if "causal" in mask_type:
+        if "causal" in mask_type and positions is not None:
+            mask = positions[1][None, :] > positions[0][:, None]  # a key after the query, in global positions
+        elif "causal" in mask_type:
             causal = _causal(sq, sk, q.device, "bottom_right" in mask_type)
             mask = causal if mask is None else (mask | causal)
         out = attention_reference(q, k, v, mask, self.softmax_scale, self._dropout)  # [b, np, sq, hv]
@@ -152,3 +184,24 @@ class DotProductAttention(PortableModule):
         else:
             out = out.permute(0, 2, 1, 3)
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _gather_over_cp(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, h, s_local, d]`` -> ``[b, h, cp * s_local, d]`` in CP-rank order; gradients reduce-scattered back."""
+        seq_first = t.permute(2, 0, 1, 3).contiguous()
+        return comm.gather_sequence(seq_first, self.cp_group).permute(1, 2, 0, 3)
+
+
+def _rank_in(group: Any) -> int:
+    """This process's rank in ``group``."""
+    import torch.distributed as dist
+
+    return dist.get_rank(group)
+
+
+def _cp_positions(local_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Global positions of CP rank ``rank``'s ``local_len`` tokens: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    if local_len % 2:
+        raise ValueError(f"context parallelism: the local sequence ({local_len}) must hold two equal chunks")
+    c = local_len // 2
+    ar = torch.arange(c, device=device)
+    return torch.cat((rank * c + ar, (2 * cp - 1 - rank) * c + ar))

@@ -36,7 +36,7 @@ from .base import PortableModule, check_config, resolve_device, set_tp_attribute
 from .norms import layer_norm, rms_norm
 from .refuse import refuse, refuse_if
 
-__all__ = ["Linear", "LayerNormLinear"]
+__all__ = ["Linear", "LayerNormLinear", "check_linear_options", "linear_into_main_grad"]
 
 #: keyword -> (option as the user names it, how to avoid it)
 _REFUSED = {
@@ -48,7 +48,8 @@ _UB = ("tensor-parallel communication overlap with userbuffers (--tp-comm-overla
 _IGNORED = {"ub_name", "rng_tracker_name", "tp_size", "name", "save_original_input"}
 
 
-def _check_options(kwargs: dict[str, Any]) -> None:
+def check_linear_options(kwargs: dict[str, Any]) -> None:
+    """Refuse the TE linear options the portable layers cannot honour (userbuffers, delayed wgrad, ...)."""
     for key, value in kwargs.items():
         if key.startswith("ub_") and key != "ub_name":
             refuse_if(value, *_UB)
@@ -79,6 +80,13 @@ class _FusedWgradLinear(torch.autograd.Function):
             make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
             return grad_x, make(weight.shape, dtype=weight.dtype, device=weight.device)
         return grad_x, None
+
+
+def linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, fuse_wgrad_accumulation: bool) -> torch.Tensor:
+    """``x W^T``; with ``fuse_wgrad_accumulation`` and a ``weight.main_grad``, the weight gradient goes there."""
+    if fuse_wgrad_accumulation and weight.requires_grad and hasattr(weight, "main_grad"):
+        return _FusedWgradLinear.apply(x, weight)
+    return F.linear(x, weight)
 
 
 class _ParallelLinear(PortableModule):
@@ -167,7 +175,7 @@ class Linear(_ParallelLinear):
                  **options: Any) -> None:
         super().__init__()
         check_config(self)
-        _check_options(options)
+        check_linear_options(options)
         self.ub_name = options.get("ub_name")
         self._init_linear(in_features, out_features, bias=bias, return_bias=return_bias, parallel_mode=parallel_mode,
                           tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
@@ -193,7 +201,7 @@ class LayerNormLinear(_ParallelLinear):
                  **options: Any) -> None:
         super().__init__()
         check_config(self)
-        _check_options(options)
+        check_linear_options(options)
         if normalization not in ("LayerNorm", "RMSNorm"):
             refuse(f"normalization={normalization!r}", "use --normalization LayerNorm or RMSNorm")
         self.ub_name = options.get("ub_name")

@@ -19,8 +19,7 @@ import enum
 import types
 from typing import Any, Iterator
 
-from . import attention, linear, norms, rng, rope
-from .base import PortableModule
+from . import attention, grouped, linear, norms, rng, rope
 from .refuse import refuse
 
 __all__ = ["build", "SERVED"]
@@ -83,14 +82,6 @@ class DelayedScaling(_Recipe):
     """Refused: fp8."""
 
 
-class GroupedLinear(PortableModule):
-    """Refused for now: the MoE grouped GEMM (TEGroupedMLP)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        refuse("the Transformer Engine grouped linear layer for MoE experts (--moe-grouped-gemm)",
-               "drop --moe-grouped-gemm (the experts then run as portable TE linears in a SequentialMLP)")
-
-
 class _Op:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse(f"Transformer Engine's operation API te.pytorch.ops.{type(self).__name__} (--use-te-activation-func, "
@@ -135,7 +126,7 @@ def build(version: str) -> dict[str, types.ModuleType]:
     ops.__getattr__ = _ops_getattr  # type: ignore[attr-defined]
     pytorch = _module("transformer_engine.pytorch", "the layers", Linear=linear.Linear,
                       LayerNormLinear=linear.LayerNormLinear, LayerNorm=norms.LayerNorm, RMSNorm=norms.RMSNorm,
-                      DotProductAttention=attention.DotProductAttention, GroupedLinear=GroupedLinear,
+                      DotProductAttention=attention.DotProductAttention, GroupedLinear=grouped.GroupedLinear,
                       fp8=fp8, distributed=distributed, ops=ops, attention=attention_pkg, fp8_autocast=fp8_autocast,
                       fp8_model_init=fp8_model_init, checkpoint=rng.checkpoint)
     recipe = _module("transformer_engine.common.recipe", "fp8 recipes (refused)", DelayedScaling=DelayedScaling,

@@ -333,6 +333,7 @@ class StandinAccelerator(CpuAccelerator):
         unsupported_collectives=("all_to_all",),
         note="stand-in backend declares this gap on purpose, like a vendor CCL",
         sends_from_buffer=True,  # its send is the inner Gloo send of the caller's tensor
+        groups_hold_host_threads=True,  # each group wraps a Gloo group
     )
 
     @classmethod

@@ -35,5 +35,6 @@ class TestdevAccelerator(PrivateUse1Accelerator):
         unsupported_ops=(dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM),
         unsupported_dtypes=(("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)),
         chunk_shaped_all_gather=True,  # staged through Gloo's _allgather_base: flat outputs raise as on Gloo
+        groups_hold_host_threads=True,  # each testccl group owns a staging Gloo group (ccl.py)
         note="testccl, the test device's CCL, lacks this on purpose, like a vendor CCL",
     )

@@ -26,10 +26,11 @@ def _creator(ext: Any):
 
         from portspeed.comm.gloo_init import lazy_gloo
 
-        options = ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [ProcessGroupGloo.create_default_device()]
+        # torch reads TORCH_GLOO_LAZY_INIT when the options are made, not when the group is: both inside
         with lazy_gloo("gloo"):
+            options = ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [ProcessGroupGloo.create_default_device()]
             gloo = ProcessGroupGloo(PrefixStore("testccl-staging/", store), rank, size, options)
         return ext.create_backend(gloo, rank, size)
 
