@@ -118,6 +118,53 @@ def test_grouped_linear_equals_one_linear_per_expert(return_bias: bool) -> None:
         grouped.GroupedLinear(2, 4, 4, parallel_mode="column", tp_size=2, device="cpu")
 
 
+@pytest.mark.parametrize("mask", ["padding_causal", "padding"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_packed_sequences_equal_one_attention_per_sequence(mask: str, padded: bool) -> None:
+    """qkv_format='thd' (Megatron's PackedSeqParams): each packed sequence equals the unpacked attention of that
+    sequence alone (causal or not, GQA), forward and gradients; padding tokens (cu_seqlens_*_padded) give zeros."""
+    torch.manual_seed(0)
+    lens, pads = [3, 5, 2], ([4, 6, 2] if padded else [3, 5, 2])
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    cu_pad = torch.tensor([0] + list(torch.tensor(pads).cumsum(0)), dtype=torch.int32)
+    t = int(cu_pad[-1])
+    q, k, v = (torch.randn(t, h, 8, requires_grad=True) for h in (4, 2, 2))
+    att = attention.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="thd", attn_mask_type=mask)
+    extra = {"cu_seqlens_q_padded": cu_pad, "cu_seqlens_kv_padded": cu_pad} if padded else {}
+    out = att(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(pads), max_seqlen_kv=max(pads), **extra)
+    assert out.shape == (t, 32)
+    one = attention.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="sbhd",
+                                        attn_mask_type="causal" if "causal" in mask else "no_mask")
+    g = torch.randn_like(out)
+    out.backward(g)
+    refs = []
+    for start, n in zip(cu_pad[:-1].tolist(), lens):
+        qi, ki, vi = (x.detach()[start:start + n].unsqueeze(1).requires_grad_() for x in (q, k, v))
+        y = one(qi, ki, vi)
+        y.backward(g[start:start + n].unsqueeze(1))
+        torch.testing.assert_close(out[start:start + n], y.squeeze(1), atol=ATOL, rtol=0)
+        for got, want in ((q, qi), (k, ki), (v, vi)):
+            torch.testing.assert_close(got.grad[start:start + n], want.grad.squeeze(1), atol=ATOL, rtol=0)
+        refs.append((start, n))
+    real = torch.zeros(t, dtype=torch.bool)
+    for start, n in refs:
+        real[start:start + n] = True
+    assert torch.count_nonzero(out[~real]) == 0, "padding tokens must give zeros"
+
+
+def test_packed_rope_equals_rope_per_sequence() -> None:
+    """The served RoPE with tensor_format='thd' rotates each packed sequence from position 0."""
+    rope = namespace.build("2.6.0")["transformer_engine.pytorch.attention.rope"].apply_rotary_pos_emb
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 3, 8, 10], dtype=torch.int32)
+    t = torch.randn(10, 2, 8)
+    freqs = torch.randn(16, 1, 1, 8)
+    got = rope(t, freqs, tensor_format="thd", cu_seqlens=cu, fused=True)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        want = rope(t[a:b].unsqueeze(1), freqs, tensor_format="sbhd").squeeze(1)
+        torch.testing.assert_close(got[a:b], want, atol=ATOL, rtol=0)
+
+
 def test_norms_zero_centred_gamma() -> None:
     torch.manual_seed(1)
     x = torch.randn(4, 2, 16)
@@ -498,6 +545,27 @@ CP2_SCRIPT = textwrap.dedent(
             out[fmt + "-" + mask] = {
                 "y": (yl - pick(y)).abs().max().item(), "gq": (ql.grad - pick(q.grad)).abs().max().item(),
                 "gk": (kl.grad - pick(k.grad)).abs().max().item(), "gv": (vl.grad - pick(v.grad)).abs().max().item()}
+    # packed sequences (thd) of 8 and 4 tokens: each CP rank holds its two chunks of each sequence
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    Qp, Kp, Vp, Gp = torch.randn(12, NP, D), torch.randn(12, NG, D), torch.randn(12, NG, D), torch.randn(12, NP * D)
+    local = []
+    for a, b in ((0, 8), (8, 12)):
+        c2 = (b - a) // (2 * cp)
+        local += list(range(a + rank * c2, a + (rank + 1) * c2)) + list(range(b - (rank + 1) * c2, b - rank * c2))
+    local = torch.tensor(local)
+    full = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format="thd", attn_mask_type="padding_causal")
+    part = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format="thd", attn_mask_type="padding_causal",
+                                         cp_group=group, cp_global_ranks=[0, 1])
+    q, k, v = (t.clone().requires_grad_() for t in (Qp, Kp, Vp))
+    y = full(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    y.backward(Gp)
+    ql, kl, vl = (t[local].clone().requires_grad_() for t in (Qp, Kp, Vp))
+    yl = part(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
+    yl.backward(Gp[local])
+    out["thd-padding_causal"] = {"y": (yl - y[local]).abs().max().item(),
+                                 "gq": (ql.grad - q.grad[local]).abs().max().item(),
+                                 "gk": (kl.grad - k.grad[local]).abs().max().item(),
+                                 "gv": (vl.grad - v.grad[local]).abs().max().item()}
     print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -111,7 +111,7 @@ def test_te_spec_layouts_equal_tp1(te_run: dict, layout: str) -> None:
 
 @pytest.mark.testdev
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "tp2pp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2sp", "tp2pp2", "cp2"])
 def test_te_spec_on_the_test_device_equals_cpu_tp1(te_run: dict, layout: str) -> None:
     """The TE spec on portspeed's test device (a test device, not hardware): equal to the **CPU** TE-spec TP1 run.
 
@@ -126,14 +126,18 @@ def test_te_spec_on_the_test_device_equals_cpu_tp1(te_run: dict, layout: str) ->
 
 
 def test_bf16_te_spec_within_the_local_band(te_run: dict) -> None:
-    """--bf16: TE-spec TP2 and local-spec TP1 within 2e-3 of TE-spec TP1."""
+    """--bf16: TE-spec TP2 (on CPU and on the test device) and local-spec TP1 within 2e-3 of CPU TE-spec TP1."""
     work, flags = te_run["work"], (*te_run["finetune"], "--bf16")
     ref = _losses(run_stock_gpt(1, work / "te_bf16_tp1.log", *flags, transformer_impl=None))
     tp2 = _losses(run_stock_gpt(2, work / "te_bf16_tp2.log", *flags, "--tensor-model-parallel-size", "2",
                                 transformer_impl=None))
     local = _losses(run_stock_gpt(1, work / "local_bf16_tp1.log", *flags, transformer_impl="local"))
+    # the test device, TP2, against the CPU TP1 run (a cross-device comparison)
+    dev = _losses(run_stock_gpt(2, work / "te_bf16_tp2_testdev.log", *flags, "--tensor-model-parallel-size", "2",
+                                transformer_impl=None, accelerator="testdev"))
     _compare(ref, tp2, "bf16 TE spec TP2", BF16_TOLERANCE)
     _compare(ref, local, "bf16 local spec TP1", BF16_TOLERANCE)
+    _compare(ref, dev, "bf16 TE spec TP2 on the test device", BF16_TOLERANCE)
 
 
 @pytest.fixture(scope="module")

@@ -177,6 +177,19 @@ def test_factories_translate_cuda_devices(cpu_adapter, device) -> None:
     assert tv.empty_like(torch.ones(1), device=device).device.type == "cpu"
 
 
+def test_pin_memory_is_dropped_where_the_device_is_the_host(cpu_adapter) -> None:
+    """``torch.tensor(..., device="cpu", pin_memory=True).cuda(non_blocking=True)`` (Megatron 0.19's
+    ``get_pos_emb_on_this_cp_rank``) raises on torch without an accelerator; on the CPU adapter it is a plain
+    host tensor. The real torch still raises, so the test shows the view is what makes the difference."""
+    tv = translation.torch_view()
+    t = tv.tensor([0, 3], device="cpu", pin_memory=True)
+    assert t.tolist() == [0, 3] and not t.is_pinned()
+    assert tv.empty(2, pin_memory=True).device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError):
+            torch.tensor([0, 3], device="cpu", pin_memory=True)
+
+
 def test_torch_view_forwards_everything_else(cpu_adapter) -> None:
     """Non-translated names are the real torch objects (no proxy on the hot path)."""
     tv = translation.torch_view()

@@ -86,13 +86,18 @@ FACTORIES = (
 
 
 def _factory(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap a torch factory so a CUDA ``device=`` lands on the adapter's device."""
+    """Wrap a torch factory so a CUDA ``device=`` lands on the adapter's device (and ``pin_memory=True``
+    means nothing where the device is the host: it is dropped there)."""
 
     @functools.wraps(fn)
     def factory(*args: Any, **kwargs: Any) -> Any:
         d = kwargs.get("device")
         if d is not None:
             kwargs["device"] = translate_device(d)
+        if kwargs.get("pin_memory") and get_accelerator().device_is_host:
+            # pinned memory speeds copies to a device; where the device is the host there is none, and torch
+            # raises without an accelerator ("no pinned memory allocator"; a CUDA build: "no NVIDIA driver")
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     factory.__portspeed_original__ = fn  # type: ignore[attr-defined]

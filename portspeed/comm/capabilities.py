@@ -155,9 +155,8 @@ class Capabilities:
     #: taken its data when the call returned (NCCL's stream order, a staging CCL): then the
     #: caller must not free or reuse the tensor before wait(), and Megatron's p2p does
     sends_from_buffer: bool = False
-    #: each group of this backend keeps host worker threads and sockets until it is destroyed
-    #: (Gloo; a CCL that stages through a Gloo group): a group the framework drops without
-    #: destroying it keeps them, so portspeed destroys the ones Megatron forgets
+    #: each group keeps host threads and sockets until destroyed (Gloo, a CCL staging through Gloo):
+    #: portspeed destroys the groups Megatron drops without destroying them
     groups_hold_host_threads: bool = False
 
     def __post_init__(self) -> None:
@@ -258,8 +257,7 @@ class BackendGaps:
     #: see ``Capabilities.sends_from_buffer``: True when the library reads a send's tensor until
     #: the send completes (portspeed then sends private copies from Megatron's pipeline p2p)
     sends_from_buffer: bool = False
-    #: see ``Capabilities.groups_hold_host_threads``: True when each group of the library keeps
-    #: host threads or sockets until destroyed (it stages through Gloo, or works like it)
+    #: see ``Capabilities.groups_hold_host_threads`` (a library staging through Gloo, or working like it)
     groups_hold_host_threads: bool = False
 
     def __post_init__(self) -> None:
@@ -347,8 +345,7 @@ _TABLES = {
 TABLED_BACKENDS = frozenset(_TABLES)
 #: torch's backends that read a send's tensor while the send is in flight (host memory, no stream)
 _SENDS_FROM_BUFFER = frozenset({"gloo"})
-#: torch's backends whose groups keep host worker threads and sockets until destroyed
-_HOLD_HOST_THREADS = frozenset({"gloo"})
+_HOLD_HOST_THREADS = frozenset({"gloo"})  # torch's backends whose groups keep host threads until destroyed
 
 
 def check_backend_name(name: str) -> None:

@@ -23,8 +23,9 @@ context parallelism, for every ``cp_comm_type`` Megatron passes (``p2p``, ``all_
 one arithmetic, the communication pattern is TE's choice and not visible in the result).
 Hierarchical ``a2a+p2p`` (a list of groups) and padding masks with CP are refused.
 
-Refused: packed sequences (``thd``, ``cu_seqlens``), sliding windows, non-vanilla softmax, attention
-bias, max-logit reporting, fp8 attention.
+Packed sequences (``qkv_format="thd"`` with ``cu_seqlens_q`` / ``_kv`` and their padded forms):
+``packed.py``, one attention per sequence. Refused: sliding windows, non-vanilla softmax,
+attention bias, max-logit reporting, fp8 attention.
 """
 
 from __future__ import annotations
@@ -37,10 +38,13 @@ import torch
 
 from . import comm
 from .base import PortableModule, check_config
+from .packed import cp_positions, packed_attention
 from .refuse import refuse, refuse_if
 
 __all__ = ["DotProductAttention", "attention_reference"]
 
+#: the packed-sequence forward arguments (Megatron's PackedSeqParams fields TE takes)
+_PACKED = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
 _MASK_TYPES = ("causal", "padding", "padding_causal", "no_mask", "arbitrary", "causal_bottom_right",
                "padding_causal_bottom_right")
 
@@ -86,8 +90,8 @@ class DotProductAttention(PortableModule):
                   "drop --qk-clip / --log-max-attention-logit")
         for key, value in options.items():
             refuse_if(value is not None, f"the Transformer Engine attention option {key}={value!r}", f"do not pass {key}")
-        if qkv_format not in ("sbhd", "bshd"):
-            refuse(f"qkv_format={qkv_format!r} (packed sequences)", "use unpacked sbhd/bshd inputs")
+        if qkv_format not in ("sbhd", "bshd", "thd"):
+            refuse(f"qkv_format={qkv_format!r}", "use sbhd, bshd or thd")
         if attn_mask_type not in _MASK_TYPES:
             refuse(f"attn_mask_type={attn_mask_type!r}", f"use one of {', '.join(_MASK_TYPES)}")
         tp = int(tp_size or 1)
@@ -148,12 +152,23 @@ class DotProductAttention(PortableModule):
                 attn_mask_type: str | None = None, **options: Any) -> torch.Tensor:
         refuse_if(options.pop("core_attention_bias_type", "no_bias") != "no_bias", "attention bias", "drop it")
         refuse_if(options.pop("core_attention_bias", None) is not None, "attention bias", "drop it")
+        packed = {key: options.pop(key, None) for key in _PACKED}
+        for key in ("max_seqlen_q", "max_seqlen_kv", "pad_between_seqs"):
+            options.pop(key, None)  # sizes and a hint for TE's kernels: the sequences are read from cu_seqlens
         for key, value in options.items():
-            refuse_if(value is not None, f"packed-sequence / fp8 attention option {key}", "use unpacked inputs")
+            refuse_if(value is not None, f"the Transformer Engine attention forward option {key}", f"do not pass {key}")
         fmt = qkv_format or self.qkv_format
-        if fmt not in ("sbhd", "bshd"):
-            refuse(f"qkv_format={fmt!r} (packed sequences)", "use unpacked sbhd/bshd inputs")
         mask_type = attn_mask_type or self.attn_mask_type
+        if fmt == "thd":
+            refuse_if(packed["cu_seqlens_q"] is None or packed["cu_seqlens_kv"] is None,
+                      "qkv_format='thd' without cu_seqlens_q / cu_seqlens_kv", "pass Megatron's PackedSeqParams")
+            return packed_attention(query_layer, key_layer, value_layer, mask_type, self.softmax_scale,
+                                    self._attend, cp_group=self.cp_group, cp_size=self.cp_size,
+                                    cp_rank=_rank_in(self.cp_group) if self.cp_size > 1 else 0, **packed)
+        if fmt not in ("sbhd", "bshd"):
+            refuse(f"qkv_format={fmt!r}", "use sbhd, bshd or thd")
+        refuse_if(any(v is not None for v in packed.values()), "cu_seqlens with qkv_format sbhd/bshd",
+                  "pass qkv_format='thd' for packed sequences")
         if fmt == "sbhd":  # -> [b, h, s, d]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
         else:
@@ -164,8 +179,8 @@ class DotProductAttention(PortableModule):
             refuse_if("padding" in mask_type or mask_type == "arbitrary",
                       f"attention masks of type {mask_type!r} with context parallelism", "use a causal or no mask")
             k, v = (self._gather_over_cp(t) for t in (k, v))
-            positions = (_cp_positions(q.shape[2], cp, _rank_in(self.cp_group), q.device),
-                         torch.cat([_cp_positions(q.shape[2], cp, i, q.device) for i in range(cp)]))
+            positions = (cp_positions(q.shape[2], cp, _rank_in(self.cp_group), q.device),
+                         torch.cat([cp_positions(q.shape[2], cp, i, q.device) for i in range(cp)]))
         sq, sk = q.shape[2], k.shape[2]
         mask = None
         if mask_type in ("padding", "padding_causal", "arbitrary", "padding_causal_bottom_right"):
@@ -185,6 +200,9 @@ class DotProductAttention(PortableModule):
             out = out.permute(0, 2, 1, 3)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return attention_reference(q, k, v, mask, self.softmax_scale, self._dropout)
+
     def _gather_over_cp(self, t: torch.Tensor) -> torch.Tensor:
         """``[b, h, s_local, d]`` -> ``[b, h, cp * s_local, d]`` in CP-rank order; gradients reduce-scattered back."""
         seq_first = t.permute(2, 0, 1, 3).contiguous()
@@ -197,11 +215,3 @@ def _rank_in(group: Any) -> int:
 
     return dist.get_rank(group)
 
-
-def _cp_positions(local_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
-    """Global positions of CP rank ``rank``'s ``local_len`` tokens: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
-    if local_len % 2:
-        raise ValueError(f"context parallelism: the local sequence ({local_len}) must hold two equal chunks")
-    c = local_len // 2
-    ar = torch.arange(c, device=device)
-    return torch.cat((rank * c + ar, (2 * cp - 1 - rank) * c + ar))

@@ -15,8 +15,13 @@ where ``rotate`` pairs the two halves of the ``r`` channels (``[-x2, x1]``) or, 
 and the result cast back to ``t``'s dtype, as TE's fused kernel does. ``fused`` is accepted and
 changes nothing (there is one implementation).
 
-Refused, naming what avoids it: packed sequences (``thd`` / ``cu_seqlens``), context parallelism
-(``cp_size > 1``), ``start_positions`` (inference with per-sequence offsets).
+Packed sequences (``tensor_format="thd"``, ``t`` ``[t, h, d]`` with ``cu_seqlens``, Megatron's
+``fused_apply_rotary_pos_emb_thd``): every sequence's positions start at 0; with context parallelism
+(``cp_size`` > 1) each sequence holds ``1 / cp`` of its tokens here, the CP rank's two
+load-balancing chunks, whose global positions pick the frequencies.
+
+Refused, naming what avoids it: context parallelism on unpacked inputs (Megatron slices the
+frequencies itself there and never asks), ``start_positions`` (inference with per-sequence offsets).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .packed import cp_positions
 from .refuse import refuse, refuse_if
 
 __all__ = ["apply_rotary_pos_emb"]
@@ -43,16 +49,18 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
                          fused: bool = False, cu_seqlens: torch.Tensor | None = None, cp_size: int = 1,
                          cp_rank: int = 0, **options: Any) -> torch.Tensor:
     """See the module docstring."""
-    if tensor_format == "thd" or cu_seqlens is not None:
-        refuse("rotary embedding of packed sequences (thd, cu_seqlens)", "use unpacked sbhd/bshd inputs")
-    if tensor_format not in ("sbhd", "bshd"):
-        refuse(f"rotary embedding in tensor_format={tensor_format!r}", "use sbhd or bshd")
-    refuse_if(int(cp_size or 1) > 1, "context parallelism in the fused rotary embedding (--context-parallel-size > 1)",
-              "use --context-parallel-size 1")
     refuse_if(start_positions is not None, "rotary embedding with start_positions", "do not pass start_positions")
     for key, value in options.items():
         refuse_if(value is not None, f"the Transformer Engine rotary embedding option {key}={value!r}",
                   f"do not pass {key}")
+    if tensor_format == "thd":
+        refuse_if(cu_seqlens is None, "rotary embedding in tensor_format='thd' without cu_seqlens", "pass cu_seqlens")
+        return _packed(t, freqs, cu_seqlens, interleaved, int(cp_size or 1), int(cp_rank or 0))
+    if tensor_format not in ("sbhd", "bshd"):
+        refuse(f"rotary embedding in tensor_format={tensor_format!r}", "use sbhd, bshd or thd")
+    refuse_if(cu_seqlens is not None, "cu_seqlens with tensor_format sbhd/bshd", "pass tensor_format='thd'")
+    refuse_if(int(cp_size or 1) > 1, "context parallelism in the fused rotary embedding of unpacked inputs",
+              "use --context-parallel-size 1, or packed (thd) inputs")
     seq_dim = 0 if tensor_format == "sbhd" else 1
     seq = t.shape[seq_dim]
     if freqs.shape[0] < seq:
@@ -60,6 +68,27 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     f = freqs[:seq].float()  # [s, 1, 1, r]
     if tensor_format == "bshd":
         f = f.transpose(0, 1)  # [1, s, 1, r]
+    return _rotated(t, f, interleaved)
+
+
+def _packed(t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, interleaved: bool, cp: int,
+            rank: int) -> torch.Tensor:
+    """``t`` ``[t, h, d]``: each packed sequence rotated from position 0 (its CP rank's chunks' positions)."""
+    lengths = ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp).tolist()
+    if sum(lengths) != t.shape[0]:
+        raise ValueError(f"cu_seqlens {cu_seqlens.tolist()} (over {cp} CP ranks) cover {sum(lengths)} tokens, "
+                         f"the input has {t.shape[0]}")
+    out = []
+    for piece, n in zip(torch.split(t, lengths), lengths):
+        pos = cp_positions(int(n), cp, rank, t.device)
+        if n and int(pos.max()) >= freqs.shape[0]:
+            raise ValueError(f"freqs cover {freqs.shape[0]} positions, a packed sequence needs {int(pos.max()) + 1}")
+        out.append(_rotated(piece.unsqueeze(1), freqs[pos].float(), interleaved).squeeze(1))
+    return torch.cat(out) if out else t
+
+
+def _rotated(t: torch.Tensor, f: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The first ``f.shape[-1]`` channels of ``t`` rotated by the angles ``f`` (broadcast), in fp32, cast back."""
     rot = f.shape[-1]
     if rot > t.shape[-1] or rot % 2:
         raise ValueError(f"rotary dimension {rot} does not fit the head dimension {t.shape[-1]}")

@@ -1,0 +1,98 @@
+"""Packed sequences (``qkv_format="thd"``) for the portable ``DotProductAttention``.
+
+Why: with packed sequences (Megatron's ``PackedSeqParams``, sequence packing in SFT and in its
+own ``test_attention.py``) the batch is one stream of tokens ``[t, heads, dim]`` holding several
+sequences back to back, delimited by ``cu_seqlens_q`` / ``cu_seqlens_kv`` (cumulative lengths,
+``[n + 1]``); a token attends only within its own sequence. TE's kernels do this in one call;
+here it is one attention per sequence (``attention_reference``), the same arithmetic.
+
+- ``cu_seqlens_*_padded`` (given when each sequence is padded, for instance to a multiple of
+  ``2 cp``): sequence ``i`` starts at ``padded[i]`` and its first ``cu[i + 1] - cu[i]`` tokens are
+  real; the outputs of padding tokens are zero.
+- Masks: ``padding_causal`` (Megatron turns ``causal`` into it for ``thd``) is causal within each
+  sequence; ``padding`` / ``no_mask`` let a token see its whole sequence.
+- Context parallelism: each CP rank holds ``1 / cp`` of every sequence, its two load-balancing
+  chunks (as for unpacked inputs). Keys and values are all-gathered over the CP group (gradients
+  reduce-scattered back) and each sequence's queries attend to that sequence's tokens from every
+  rank, masked by global positions. Sequences padded differently from their real length are
+  refused with CP (each CP rank's slice of the padding would need TE's exact layout).
+
+The output is ``[t, heads * dim]``, as TE returns for ``thd``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import comm
+from .refuse import refuse_if
+
+__all__ = ["cp_positions", "packed_attention"]
+
+
+def cp_positions(local_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    """Global positions of CP rank ``rank``'s ``local_len`` tokens: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    if cp == 1:
+        return torch.arange(local_len, device=device)
+    if local_len % 2:
+        raise ValueError(f"context parallelism: the local sequence ({local_len}) must hold two equal chunks")
+    c = local_len // 2
+    ar = torch.arange(c, device=device)
+    return torch.cat((rank * c + ar, (2 * cp - 1 - rank) * c + ar))
+
+
+def _bounds(cu: torch.Tensor, padded: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(start, real length) of every sequence in the token stream."""
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    starts = (padded if padded is not None else cu)[:-1].tolist()
+    return [int(s) for s in starts], [int(n) for n in lengths]
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_type: str, scale: float,
+                     attend: Callable[..., torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
+                     cu_seqlens_q_padded: torch.Tensor | None = None, cu_seqlens_kv_padded: torch.Tensor | None = None,
+                     cp_group: Any = None, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """q ``[t, np, hn]``, k / v ``[t, ng, hn]`` (this CP rank's tokens); returns ``[t, np * hv]``.
+
+    ``attend(q, k, v, mask)`` is the module's attention on ``[1, h, s, d]`` tensors (scale and dropout inside).
+    """
+    refuse_if("arbitrary" in mask_type, "arbitrary attention masks with packed sequences", "use a causal or padding mask")
+    causal = "causal" in mask_type
+    sq_starts, sq_lens = _bounds(cu_seqlens_q, cu_seqlens_q_padded)
+    sk_starts, sk_lens = _bounds(cu_seqlens_kv, cu_seqlens_kv_padded)
+    if len(sq_lens) != len(sk_lens):
+        raise ValueError(f"packed sequences: {len(sq_lens)} query sequences but {len(sk_lens)} key/value sequences")
+    local_kv = k.shape[0]
+    if cp_size > 1:
+        for cu, padded in ((cu_seqlens_q, cu_seqlens_q_padded), (cu_seqlens_kv, cu_seqlens_kv_padded)):
+            refuse_if(padded is not None and not torch.equal(padded.to(cu.device), cu),
+                      "packed sequences padded beyond their length with context parallelism",
+                      "pack without padding between sequences (cu_seqlens_padded equal to cu_seqlens)")
+        sq_starts, sq_lens = [s // cp_size for s in sq_starts], [n // cp_size for n in sq_lens]
+        sk_starts, sk_lens = [s // cp_size for s in sk_starts], [n // cp_size for n in sk_lens]
+        k, v = (comm.gather_sequence(t.contiguous(), cp_group) for t in (k, v))  # [cp * t, ng, hn]
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    pieces = []
+    for qs, ql, ks, kl in zip(sq_starts, sq_lens, sk_starts, sk_lens):
+        if ql == 0:
+            continue
+        qi = q[qs:qs + ql]
+        kv_rows = [slice(r * local_kv + ks, r * local_kv + ks + kl) for r in range(cp_size)]
+        ki = torch.cat([k[s] for s in kv_rows]) if cp_size > 1 else k[ks:ks + kl]
+        vi = torch.cat([v[s] for s in kv_rows]) if cp_size > 1 else v[ks:ks + kl]
+        mask = None
+        if causal:
+            qpos = cp_positions(ql, cp_size, cp_rank, q.device)
+            kpos = torch.cat([cp_positions(kl, cp_size, r, q.device) for r in range(cp_size)])
+            if cp_size == 1:
+                kpos = kpos + (ql - kl)  # bottom-right alignment when the lengths differ (cross attention)
+            mask = kpos[None, :] > qpos[:, None]
+        o = attend(*(t.permute(1, 0, 2).unsqueeze(0) for t in (qi, ki, vi)), mask)  # [1, np, ql, hv]
+        pieces.append((qs, ql, o.squeeze(0).permute(1, 0, 2)))
+    if not pieces:
+        return out.reshape(out.shape[0], -1)
+    rows = torch.cat([torch.arange(qs, qs + ql, device=q.device) for qs, ql, _ in pieces])
+    out = out.index_copy(0, rows, torch.cat([o for _, _, o in pieces]))
+    return out.reshape(out.shape[0], -1)
