@@ -497,10 +497,9 @@ TP2_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.multiproc
-def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -> None:
-    script = tmp_path / "tp2.py"
-    script.write_text(TP2_SCRIPT)
+def _two_rank_results(script: Path, code: str) -> list[dict]:
+    """Run ``code`` on two Gloo ranks (torchrun) and return the JSON each printed after ``RESULT ``."""
+    script.write_text(code)
     res = torchrun(str(script), 2, timeout=240, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     # the two ranks share one stdout: a line may carry both results (print writes the text and the newline
@@ -508,6 +507,12 @@ def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -
     decoder = json.JSONDecoder()
     rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
     assert len(rows) == 2, res.stdout[-2000:]
+    return rows
+
+
+@pytest.mark.multiproc
+def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -> None:
+    rows = _two_rank_results(tmp_path / "tp2.py", TP2_SCRIPT)
     for row in rows:
         for sp, d in row.items():
             assert d["tp_attr"] == [True, 0, 1], d
@@ -577,13 +582,8 @@ def test_two_rank_context_parallel_attention_equals_single_process(tmp_path: Pat
     """Context parallelism (CP2, Megatron's two-chunks-per-rank split): each rank's output and its q/k/v gradients
     equal the single-process attention over the whole sequence at that rank's positions (causal and no mask,
     GQA, both layouts); the key/value gradients come back to their owners through the reduce-scatter."""
-    script = tmp_path / "cp2.py"
-    script.write_text(CP2_SCRIPT)
-    res = torchrun(str(script), 2, timeout=240, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    decoder = json.JSONDecoder()
-    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
-    assert sorted(r["rank"] for r in rows) == [0, 1], res.stdout[-2000:]
+    rows = _two_rank_results(tmp_path / "cp2.py", CP2_SCRIPT)
+    assert sorted(r["rank"] for r in rows) == [0, 1], rows
     for row in rows:
         for case, d in row.items():
             if case == "rank":

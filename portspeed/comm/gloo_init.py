@@ -19,7 +19,8 @@ whose real backend includes Gloo inside ``lazy_gloo(backend)``, which sets
 
 - ``PORTSPEED_GLOO_LAZY_INIT=0`` turns it off (eager, torch's default);
 - an explicit ``TORCH_GLOO_LAZY_INIT`` in the environment wins (the user's choice);
-- torch releases before 2.8 ignore the variable: groups are eager, as without portspeed.
+- torch releases before 2.8 ignore the variable: groups are eager, as without portspeed
+  (run on 2.7.1, 2.8.0 and 2.13.0 with ``benchmarks/check_torch_gloo_lazy.py``).
 
 Behaviour differences torch documents for lazy Gloo: a connection error shows at the
 first collective instead of at ``new_group``; ``recv`` from any source cannot connect on
