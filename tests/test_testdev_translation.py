@@ -130,7 +130,9 @@ def test_megatron_groups_dropped_on_the_test_device_are_destroyed(tmp_path: Path
         from portspeed.testing.standin_ccl import StandinAccelerator
         from portspeed.patches.megatron.core_group_teardown import groups_in
         assert groups_hold_host_threads(portspeed.get_accelerator())
-        assert groups_hold_host_threads(CpuAccelerator()) and groups_hold_host_threads(StandinAccelerator())
+        assert groups_hold_host_threads(CpuAccelerator())
+        # the stand-in's Python backend groups cannot be destroyed one by one on torch 2.13: not declared
+        assert not groups_hold_host_threads(StandinAccelerator())
         assert not groups_hold_host_threads(CudaAccelerator()), "NCCL communicators are made lazily"
         from megatron.core import parallel_state as ps
         dist.init_process_group("nccl", rank=0, world_size=1, init_method="file://{tmp_path / 'store'}")

@@ -15,8 +15,8 @@ docs/megatron-unit-tests.md). Megatron already treats destroying its Gloo groups
 What: before Megatron's function runs, the process groups held in
 ``megatron.core.parallel_state``'s module globals (plain, in lists, tuples or dicts) are
 collected; after it, those still registered (not the default group) whose real backend
-keeps host threads per group (``Capabilities.groups_hold_host_threads``: Gloo, the
-stand-in, the test device's testccl, which stages each group through its own Gloo group)
+keeps host threads per group (``Capabilities.groups_hold_host_threads``: Gloo, the test
+device's testccl, which stages each group through its own Gloo group)
 are destroyed with ``torch.distributed.destroy_process_group``. Groups on other backends
 (NCCL, a vendor CCL that does not declare it) are left as Megatron leaves them. Gated
 ``when=groups_hold_host_threads``: the adapter's own backend declares it. On the test
