@@ -16,17 +16,14 @@ with themselves, except a resume, which continues the device's own run.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers.launch import free_port, run_python
+from helpers.launch import free_port, run_command, run_python
 from helpers.requires import require
 
 require("deepspeed", "pip install 'portspeed[deepspeed]'")
@@ -296,15 +293,8 @@ def test_deepspeed_launcher_with_portspeed_worker(tmp_path: Path, adapter: str) 
            "--adaptor", "portspeed.deepspeed_adaptor", "--", EXAMPLE, "--runs", keys, "--steps", str(STEPS),
            "--dist-backend", "nccl", "--out", str(out)]
     # its own session, so a timeout ends the launcher's children too (the launcher, the ranks), not just the runner
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                          start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"the deepspeed launcher ran past {TIMEOUT:.0f} s:\n{_tail(stdout + stderr)}")
-    assert proc.returncode == 0 and out.exists(), f"deepspeed launcher failed:\n{_tail(stdout + stderr)}"
+    res = run_command(cmd, TIMEOUT, env, cwd=ROOT)
+    assert res.returncode == 0 and out.exists(), f"deepspeed launcher failed:\n{_tail(res.stdout + res.stderr)}"
     rec = json.loads(out.read_text())
     ref = _train(tmp_path, "torchrun_ref", 2, "--runs", keys, "--dist-backend", "nccl")
     assert rec["world_size"] == 2

@@ -19,15 +19,13 @@ import inspect
 import json
 import os
 import random
-import signal
 import struct
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from helpers.launch import free_port, run_python
+from helpers.launch import free_port, run_command, run_python
 from helpers.requires import require
 from helpers.stock import SKIP_REASON, require_stock_packages
 from helpers.stock_parity import max_diff, venv_python_first
@@ -112,17 +110,11 @@ def train(work: Path, name: str, nproc: int, tp: int, data: Path, model: Path, i
     with venv_python_first():
         # the example is a bash script: run it in its own session, killed whole on time-out
         full = os.environ | {"OMP_NUM_THREADS": "1"} | env
-        proc = subprocess.Popen(["bash", str(EXAMPLE), *TOKENIZER, "--tokenizer-model", str(model), *extra], cwd=work,
-                                env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"{name}: timed out after {TIMEOUT}s:\n{out[-3000:]}")
+        res = run_command(["bash", str(EXAMPLE), *TOKENIZER, "--tokenizer-model", str(model), *extra], TIMEOUT,
+                          full, cwd=work)
+    out = res.stdout + res.stderr
     log.write_text(out)
-    assert proc.returncode == 0, f"{name} failed (exit {proc.returncode}); log {log}:\n{out[-4000:]}"
+    assert res.returncode == 0, f"{name} failed (exit {res.returncode}); log {log}:\n{out[-4000:]}"
     return out
 
 

@@ -16,7 +16,7 @@ from helpers.requires import require
 import portspeed
 from portspeed.accelerator import scope as framework_modules
 from portspeed.accelerator import translation
-from portspeed.accelerator import get_accelerator, reset_accelerator, set_accelerator
+from portspeed.accelerator import reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator, NullEvent, NullStream
 from portspeed.errors import ConfigError, UnsupportedCudaCallError
 from portspeed.patches import torch_cuda

@@ -30,7 +30,6 @@ attention bias, max-logit reporting, fp8 attention.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable
 

@@ -11,15 +11,16 @@ not used (there is no fp8 here).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from portspeed.accelerator.torch_namespace import translate_device
 
-__all__ = ["PortableModule", "resolve_device", "set_tp_attributes"]
+__all__ = ["PortableModule", "resolve_device", "set_tp_attributes", "tracker_fork"]
 
 log = logging.getLogger("portspeed.portable_te")
 _said: set[str] = set()
@@ -38,6 +39,14 @@ def set_tp_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: 
     param.tensor_model_parallel = is_parallel  # type: ignore[attr-defined]
     param.partition_dim = dim  # type: ignore[attr-defined]
     param.partition_stride = stride  # type: ignore[attr-defined]
+
+
+def tracker_fork(get_rng_state_tracker: Callable | None, name: str | None = None) -> Any:
+    """The RNG tracker's fork that TE initialises weights in (``name``: ``rng_tracker_name``); none without a tracker."""
+    if get_rng_state_tracker is None:
+        return contextlib.nullcontext()
+    tracker = get_rng_state_tracker()
+    return tracker.fork(name) if name else tracker.fork()
 
 
 class PortableModule(torch.nn.Module):

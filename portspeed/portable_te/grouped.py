@@ -31,13 +31,12 @@ options in ``linear.check_linear_options``; fp8 through the Megatron config (``c
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
 
 from . import comm
-from .base import PortableModule, check_config, resolve_device, set_tp_attributes
+from .base import PortableModule, check_config, resolve_device, set_tp_attributes, tracker_fork
 from .linear import check_linear_options, linear_into_main_grad
 from .refuse import refuse
 
@@ -97,10 +96,7 @@ class GroupedLinear(PortableModule):
         with torch.no_grad():
             for i in range(self.num_gemms):
                 if init_method is not None:
-                    fork = (get_rng_state_tracker().fork(rng_tracker_name) if rng_tracker_name
-                            else get_rng_state_tracker().fork()) if get_rng_state_tracker is not None \
-                        else contextlib.nullcontext()
-                    with fork:
+                    with tracker_fork(get_rng_state_tracker, rng_tracker_name):
                         init_method(getattr(self, f"weight{i}"))
                 if self.use_bias:
                     getattr(self, f"bias{i}").zero_()

@@ -25,14 +25,13 @@ Refused (``refuse.py``): userbuffers overlap (``ub_overlap_*``, ``ub_bulk_*``, .
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import comm
-from .base import PortableModule, check_config, resolve_device, set_tp_attributes
+from .base import PortableModule, check_config, resolve_device, set_tp_attributes, tracker_fork
 from .norms import layer_norm, rms_norm
 from .refuse import refuse, refuse_if
 
@@ -124,11 +123,9 @@ class _ParallelLinear(PortableModule):
             if self.bias is not None:
                 self.bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
         if dev.type != "meta":
-            fork = (get_rng_state_tracker().fork(rng_tracker_name) if rng_tracker_name
-                    else get_rng_state_tracker().fork()) if get_rng_state_tracker is not None else contextlib.nullcontext()
             with torch.no_grad():
                 if init_method is not None:
-                    with fork:
+                    with tracker_fork(get_rng_state_tracker, rng_tracker_name):
                         init_method(self.weight)
                 if self.bias is not None:
                     self.bias.zero_()

@@ -37,7 +37,8 @@ def cp_positions(local_len: int, cp: int, rank: int, device: torch.device) -> to
     if cp == 1:
         return torch.arange(local_len, device=device)
     if local_len % 2:
-        raise ValueError(f"context parallelism: the local sequence ({local_len}) must hold two equal chunks")
+        raise ValueError(f"context parallelism: a rank's share of a sequence ({local_len} tokens) must split into two "
+                         f"equal chunks; use sequence lengths divisible by 2 x the context-parallel size ({2 * cp})")
     c = local_len // 2
     ar = torch.arange(c, device=device)
     return torch.cat((rank * c + ar, (2 * cp - 1 - rank) * c + ar))

@@ -31,7 +31,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["REPO", "Result", "child_json", "free_port", "parse_losses", "run_python", "run_snippet", "torchrun"]
+__all__ = ["REPO", "Result", "child_json", "free_port", "parse_losses", "run_command", "run_python", "run_snippet",
+           "torchrun"]
 
 REPO = Path(__file__).resolve().parents[2]
 _LOSS = re.compile(r"iteration (\d+) \| lm loss: (\S+) \| grad norm: (\S+)")
@@ -94,9 +95,15 @@ def run_python(args: Sequence[str], timeout: float, env: Mapping[str, str] | Non
     The child gets this process's environment and the defaults above, minus the variables
     matching a ``drop`` pattern (fnmatch: ``"PORTSPEED_*"``, or an exact name), plus ``env``.
     """
-    cmd = [sys.executable, *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(env, drop), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return run_command([sys.executable, *args], timeout, _env(env, drop), cwd)
+
+
+def run_command(cmd: Sequence[str], timeout: float, env: Mapping[str, str], cwd: Path = REPO) -> Result:
+    """Run ``cmd`` with exactly ``env`` in its own session; at ``timeout`` kill the whole group (a launcher and
+    the ranks it started) and fail with the tail of both streams."""
+    cmd = [str(c) for c in cmd]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -104,6 +111,7 @@ def run_python(args: Sequence[str], timeout: float, env: Mapping[str, str] | Non
         out, err = proc.communicate()
         raise AssertionError(
             f"timed out after {timeout}s (killed): {' '.join(cmd)}\n--- stderr (tail) ---\n{err[-3000:]}"
+            f"\n--- stdout (tail) ---\n{out[-2000:]}"
         ) from None
     return Result(proc.returncode, out, err, cmd)
 
