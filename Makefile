@@ -21,11 +21,13 @@ PYTHON312   ?= $(shell { p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/pyt
 LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/test_translation.py \
                tests/test_router.py tests/test_collective_conformance.py tests/test_selection.py \
                tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
-               tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py tests/test_megatron_refusals.py
+               tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py tests/test_megatron_refusals.py \
+               tests/test_view_classes.py tests/test_narrowing.py tests/test_te_kernels.py tests/test_te_attention.py \
+               tests/test_te_ring.py tests/test_rl_loop.py tests/test_hf_trainer.py
 LEG1_MARKS  := not cuda_build and not ds_more and not faults
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 
-.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock stock-tests megatron-unit-tests bench clean \
+.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock test-stock-matrix stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
 ## Debian packages the DeepSpeed tests need: Open MPI (mpirun, and the library mpi4py loads) for
@@ -102,6 +104,18 @@ stock-tests: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py tests/test_megatron_unit_runner.py \
 	    tests/test_stock_testdev.py tests/test_stock_llama.py tests/test_megatron_refusals.py tests/test_stock_moe.py \
 	    tests/test_stock_fp16.py tests/test_stock_dataset.py tests/test_stock_te.py tests/test_stock_resume_layouts.py
+
+## The stock matrix (by hand, about an hour on 2 cores): stock pretrain_gpt.py at core_v0.15.3 ... core_v0.19.0
+## and main, each exported from MEGATRON_LM_GIT (a Megatron-LM git directory) with git archive, in TP2, PP2,
+## DP2, TP2xPP2 and TP2 on the TE path launched from the checkout's root, TP2 also through `portspeed run`
+## and a torchrun wrapper; each against TP1; the table goes into docs/megatron.md (benchmarks/stock_matrix.py).
+test-stock-matrix:
+	@test -n "$(MEGATRON_LM_GIT)" || { echo "set MEGATRON_LM_GIT to a Megatron-LM git directory (e.g. /work/.mirror/NVIDIA+Megatron-LM/repo)"; exit 2; }
+	$(MAKE) --no-print-directory venv
+	$(MAKE) --no-print-directory venv312
+	.venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
+	.venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
+	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stock_matrix.py --git "$(MEGATRON_LM_GIT)"
 
 ## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
 ## portspeed on the active adapter, launched as Megatron's CI launches them: one torchrun per target.

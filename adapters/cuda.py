@@ -47,6 +47,13 @@ class CudaAccelerator(Accelerator):
     def is_fp16_supported(self) -> bool:
         return True
 
+    def has_grouped_mm(self, dtype: torch.dtype) -> bool:
+        """torch documents its grouped GEMM kernel for bf16 on NVIDIA compute capability >= 8.0 (CUTLASS); other
+        dtypes, older GPUs and ROCm builds (not in that documentation) keep portspeed's loop."""
+        if dtype != torch.bfloat16 or self.flavor != "cuda" or not torch.cuda.is_available():
+            return False
+        return torch.cuda.get_device_capability() >= (8, 0)
+
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["flavor"] = self.flavor

@@ -46,6 +46,14 @@ def _worker(args: argparse.Namespace) -> None:
     manager.apply()
     routed = dist.all_reduce
     assert routed is not raw, "the router patch did not install"
+    recorded = None
+    if args.trace:  # the same routed function with portspeed.comm.trace's recording frame in front (A/B arm)
+        os.environ["PORTSPEED_TRACE"] = str(args.trace)
+        from portspeed import config
+        from portspeed.comm import trace
+
+        config.reload()
+        recorded = trace.traced("all_reduce", router.COLLECTIVE_ROUTES["all_reduce"])(raw)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.pin:  # before the group exists, so Gloo's threads inherit the core
         cpus = sorted(os.sched_getaffinity(0))
@@ -57,6 +65,8 @@ def _worker(args: argparse.Namespace) -> None:
         raw(t)
         routed(t)
     arms: dict[str, object] = {"raw": raw, "raw_again": raw, "routed": routed}
+    if recorded is not None:
+        arms["routed_recorded"] = recorded
     if args.diagnose:  # what any layer in front of the call costs here (see the module docstring)
         import wrapt
 
@@ -109,6 +119,15 @@ def _worker(args: argparse.Namespace) -> None:
     for _ in range(20000):
         router.all_reduce(noop, t)
     decision_us = (time.perf_counter() - start) / 20000 * 1e6
+    recording_us: dict[str, float] = {}
+    if recorded is not None:  # the recorder alone: its frame around a no-op, with and without write-through
+        rec_noop = trace.traced("all_reduce")(noop)
+        for label in ("write_through", "memory_only"):
+            start = time.perf_counter()
+            for _ in range(20000):
+                rec_noop(t)
+            recording_us[label] = round((time.perf_counter() - start) / 20000 * 1e6, 3)
+            trace.recorder()._wt_fd = None
     dist.barrier()
     if rank == 0:
         print(json.dumps({
@@ -119,7 +138,7 @@ def _worker(args: argparse.Namespace) -> None:
             "blocked_ratio": round(blocked_ratio, 4), "blocked_calls_per_block": block,
             "segment_ratios": [round(ratio("routed", slice(k * seg, (k + 1) * seg)), 4) for k in range(segments)],
             "other_ratios": {k: round(ratio(k), 4) for k in names if k not in ("raw", "raw_again", "routed")},
-            "router_decision_us": round(decision_us, 3),
+            "router_decision_us": round(decision_us, 3), "recording_us": recording_us,
             "rewrites": router.stats(), "torch": torch.__version__,
         }))
     dist.destroy_process_group()
@@ -133,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=10000, help="timed calls per arm, interleaved (default 10000)")
     p.add_argument("--diagnose", action="store_true",
                    help="add arms that put a do-nothing layer before the raw call (plain function, wrapt, 3 us spin)")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="add an arm: the routed all_reduce recorded by portspeed.comm.trace (ring of N entries)")
     p.add_argument("--pin", action="store_true", help="pin each rank (and its Gloo threads) to one core of its own")
     p.add_argument("--warmup", type=int, default=200, help="warm-up calls per arm (default 200)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")

@@ -2,5 +2,6 @@
 
 ``torch_cuda``: torch.cuda translation for framework modules; ``torch_distributed``: the
 collective router's entry points; ``megatron/``: Megatron-Core and Megatron-LM;
-``deepspeed``: what DeepSpeed's accelerator hook does not cover.
+``deepspeed``: what DeepSpeed's accelerator hook does not cover; ``hf_accelerate``: the
+Hugging Face Trainer's DeepSpeed path on a device Accelerate does not know.
 """

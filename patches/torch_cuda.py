@@ -15,6 +15,7 @@ check per argument. Everything else gets torch's own behaviour, errors included.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from portspeed.accelerator import get_accelerator
 from portspeed.accelerator.conditions import translated
 from portspeed.accelerator.torch_namespace import names_cuda, translate_device
+from portspeed.accelerator.scope import FRAMEWORK_ENV, is_framework_module
 from portspeed.accelerator.translation import caller_is_framework
 from portspeed.patching.record import REPLACE, WRAP, Patch
 
@@ -158,6 +160,37 @@ def tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fals
     return _BASE_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+_NOT_CALLERS = ("torch", "portspeed", "wrapt", "importlib", "functools", "contextlib")
+
+
+def _calling_module() -> str | None:
+    """The first module up the stack that is neither torch nor portspeed (nor their plumbing)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_globals.get("__name__") or ""
+        if name.split(".", 1)[0] not in _NOT_CALLERS:
+            return name
+        f = f.f_back
+    return None
+
+
+def _untranslated_hint(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """torch.cuda.set_device / torch.cuda._lazy_init: when the call fails for a module portspeed does not
+    translate, add a note naming the module and PORTSPEED_FRAMEWORK_MODULES (same exception, same type)."""
+    try:
+        return wrapped(*args, **kwargs)
+    except (AssertionError, RuntimeError, AttributeError) as exc:
+        who = _calling_module()
+        if who and not is_framework_module(who) and not any(
+                FRAMEWORK_ENV in n for n in getattr(exc, "__notes__", ())):
+            exc.add_note(
+                f"portspeed: this torch.cuda call came from module {who!r}, which portspeed does not translate "
+                f"(adapter {get_accelerator().name!r}: only framework modules get torch.cuda answered by it). "
+                f"If it is your own code written for CUDA, opt it in: {FRAMEWORK_ENV}={who} (the entry script "
+                "is '__main__'; comma-separate several), see docs/megatron-core-loop.md")
+        raise
+
+
 _REASON_TO = "framework code moves tensors to 'cuda' devices; on another adapter they belong on its device"
 _COMMON = dict(kind=WRAP, distribution="torch", versions=">=2.6", when=translated)
 _COMMON_R = dict(_COMMON, kind=REPLACE)
@@ -178,4 +211,10 @@ PATCHES: list[Patch] = [
     Patch(name="torch.tensor_type", target="torch:Tensor.type", impl=tensor_type,
           reason="Megatron's optimizers assert grad.type() == 'torch.cuda.FloatTensor'; answer in CUDA spelling",
           **_COMMON_R),
+    Patch(name="torch.cuda_untranslated_hint", target="torch.cuda:_lazy_init", impl=_untranslated_hint,
+          reason="a torch.cuda call from a module that is not translated fails with torch's own error; "
+          "the error then names the module and PORTSPEED_FRAMEWORK_MODULES", **_COMMON),
+    Patch(name="torch.cuda_set_device_untranslated_hint", target="torch.cuda:set_device", impl=_untranslated_hint,
+          reason="torch.cuda.set_device from a module that is not translated fails without calling _lazy_init "
+          "on a CPU build of torch; the error then names the module and PORTSPEED_FRAMEWORK_MODULES", **_COMMON),
 ]

@@ -12,7 +12,7 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import groups, router
+from portspeed.comm import groups, router, trace
 
 __all__ = ["PATCHES"]
 
@@ -34,6 +34,10 @@ _COLLECTIVE_REASONS = {
 }
 
 _NEW_NAMES = ("reduce_scatter_single", "all_gather_single")  # torch 2.13's names
+_TRACING = trace.enabled()  # PORTSPEED_TRACE > 0: record every call below (portspeed.comm.trace)
+#: recorded only (no routing): the collectives and point-to-point calls the router leaves alone
+_RECORDED = ("broadcast", "barrier", "all_gather", "gather", "scatter", "all_to_all_single", "send", "recv",
+             "isend", "irecv")
 
 PATCHES: list[Patch] = [
     Patch(
@@ -77,7 +81,7 @@ PATCHES: list[Patch] = [
         name=f"torch.distributed.{fn}.route",
         target=f"{_MOD}:{fn}",
         kind=WRAP,
-        impl=router.COLLECTIVE_ROUTES[fn],
+        impl=trace.traced(fn, router.COLLECTIVE_ROUTES[fn]) if _TRACING else router.COLLECTIVE_ROUTES[fn],
         style="function",
         distribution="torch",
         versions=">=2.13" if fn in _NEW_NAMES else _TORCH,
@@ -85,4 +89,17 @@ PATCHES: list[Patch] = [
     )
     for fn in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter",
                "all_to_all", "all_gather_into_tensor", "all_gather_single")
-]
+] + ([
+    Patch(
+        name=f"torch.distributed.{fn}.trace",
+        target=f"{_MOD}:{fn}",
+        kind=WRAP,
+        impl=trace.traced(fn) if fn != "batch_isend_irecv" else trace.traced_batch,
+        style="function",
+        distribution="torch",
+        versions=_TORCH,
+        reason="PORTSPEED_TRACE is on: record the call (group, sequence number, shapes, caller) for `portspeed "
+               "why-hung`.",
+    )
+    for fn in (*_RECORDED, "batch_isend_irecv")
+] if _TRACING else [])

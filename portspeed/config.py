@@ -12,25 +12,38 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 | PORTSPEED_LOG_LEVEL | DEBUG, INFO, WARNING, ERROR | portspeed's logger level |
 | PORTSPEED_TIMEOUT | seconds (positive number) | collective / rendezvous timeout used by launchers and tests |
 | PORTSPEED_GLOO_LAZY_INIT | 0/1 (default 1) | Gloo groups connect their ranks at their first collective, not when created (torch >= 2.8; an explicit TORCH_GLOO_LAZY_INIT wins; see ``portspeed.comm.gloo_init``) |
+| PORTSPEED_TE_KERNELS | `vendor`, `torch` or `reference` for every operation, and/or `op=value` per operation (`attention=reference,rms_norm=torch`) | where the portable Transformer Engine starts its preference vendor -> torch -> reference (``portspeed.portable_te.kernels``); unset: vendor |
+| PORTSPEED_TRACE | non-negative integer (default 0: off) | entries of the per-rank collective / point-to-point ring buffer (``portspeed.comm.trace``; docs/reliability.md, "When it hangs") |
+| PORTSPEED_TRACE_DIR | a writable folder (created if missing) | where each rank writes its trace dump; unset: a new folder under the system's temporary directory, named in one log line |
+| PORTSPEED_TRACE_ON_EXIT | 0/1 (default 0) | every rank dumps its trace buffer when it exits normally too |
 | PORTSPEED_LOSS_LOG | file path | where a training script writes its JSON loss record (`portspeed.megatron_adaptor.open_loss_log`, used by examples/pretrain_gpt.py; the stock scripts print losses instead, which `portspeed compare` parses) |
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
+import importlib.util
 import os
 import re
-from typing import Mapping
+import sys
+from typing import Iterable, Mapping
 
 from portspeed.errors import ConfigError
 
-__all__ = ["Settings", "settings", "reload", "parse_bool", "parse_names"]
+__all__ = ["Settings", "settings", "reload", "parse_bool", "parse_names", "parse_te_kernels", "TE_KERNEL_OPS",
+           "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _PATCH_NAME = re.compile(r"^[A-Za-z0-9_.\-*]+$")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: the operations of the vendor kernel slot (portspeed.accelerator.kernel_ops.KERNEL_OPS; a test keeps them equal)
+TE_KERNEL_OPS = ("attention", "attention_lse", "attention_lse_backward", "rms_norm", "layer_norm", "rope", "swiglu",
+                 "grouped_mm")
+#: the implementations, in the order of preference
+TE_KERNEL_IMPLS = ("vendor", "torch", "reference")
 
 
 def parse_bool(var: str, value: str) -> bool:
@@ -54,6 +67,96 @@ def parse_names(var: str, value: str, pattern: re.Pattern[str], kind: str, hint:
     return names
 
 
+def parse_te_kernels(value: str) -> tuple[tuple[str, str], ...]:
+    """``PORTSPEED_TE_KERNELS``: ``(op, impl)`` pairs (``op`` ``"*"`` for a bare value); ConfigError names the bad
+    part."""
+    var, pairs = "PORTSPEED_TE_KERNELS", []
+    for part in (p.strip() for p in value.split(",")):
+        if not part:
+            continue
+        op, sep, impl = part.partition("=")
+        op, impl = (op.strip(), impl.strip().lower()) if sep else ("*", op.strip().lower())
+        if op != "*" and op not in TE_KERNEL_OPS:
+            raise ConfigError(f"{var}={value!r}: {op!r} is not an operation; operations: {', '.join(TE_KERNEL_OPS)}")
+        if impl not in TE_KERNEL_IMPLS:
+            raise ConfigError(f"{var}={value!r}: {impl!r} is not an implementation; use one of "
+                              f"{', '.join(TE_KERNEL_IMPLS)}, for every operation or per operation "
+                              "('attention=reference,rms_norm=torch')")
+        if any(o == op for o, _ in pairs):
+            raise ConfigError(f"{var}={value!r} sets {'the default' if op == '*' else repr(op)} twice")
+        pairs.append((op, impl))
+    return tuple(pairs)
+
+
+#: names (comma-separated) that a launcher of portspeed's own adds to PORTSPEED_FRAMEWORK_MODULES and
+#: that become importable only later (`portspeed megatron-tests`: test modules pytest imports under
+#: their bare names after putting their folder on sys.path); check_findable_modules leaves them alone
+LATE_MODULES_ENV = "PORTSPEED_RUN_LATE_MODULES"
+
+
+def _findable(name: str, beside: list[str]) -> bool:
+    """Whether a finder locates module ``name`` (top level: also in the folders ``beside``), importing nothing new."""
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0]) or importlib.machinery.PathFinder.find_spec(parts[0], beside)
+        for i in range(1, len(parts)):
+            if spec is None:
+                return False
+            parent, full = ".".join(parts[:i]), ".".join(parts[:i + 1])
+            if parent in sys.modules:
+                spec = importlib.util.find_spec(full)  # the parent is imported: nothing new runs
+            elif spec.submodule_search_locations is None:
+                return False  # a plain module has no submodules
+            else:
+                spec = importlib.machinery.PathFinder.find_spec(full, list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
+def check_findable_modules(var: str, names: Iterable[str], env: Mapping[str, str] | None = None) -> None:
+    """Refuse module names no finder locates (a typo in ``var``), naming them; ``__main__`` always exists.
+
+    Run at the adaptor's import, in the process whose sys.path the modules are imported from
+    (not by `portspeed run`'s launcher, whose sys.path is not the script's).
+    """
+    env = os.environ if env is None else env
+    late = {n.strip() for n in env.get(LATE_MODULES_ENV, "").split(",") if n.strip()}
+    # `portspeed run`'s worker imports the adaptor before it puts the script's folder on sys.path
+    target = env.get("PORTSPEED_RUN_TARGET", "")
+    beside = [os.path.dirname(target[5:])] if target.startswith("path:") else []
+    missing = [n for n in names if n != "__main__" and n not in late and not _findable(n, beside)]
+    if missing:
+        raise ConfigError(
+            f"{var} names modules that cannot be imported here: {missing}; give importable module names "
+            f"(check the spelling and that the package is installed or on PYTHONPATH; the entry script is '__main__')")
+
+
+def _trace_settings(env: Mapping[str, str]) -> dict:
+    """PORTSPEED_TRACE / _TRACE_DIR / _TRACE_ON_EXIT (portspeed.comm.trace), or ConfigError naming the bad one."""
+    kw: dict = {}
+    raw = env.get("PORTSPEED_TRACE", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) > 10_000_000:
+            raise ConfigError(f"PORTSPEED_TRACE={raw!r} is not a non-negative integer; give the number of entries "
+                              "each rank keeps (0: off; 2000 is plenty to find a hang)")
+        kw["trace"] = int(raw)
+    folder = env.get("PORTSPEED_TRACE_DIR", "").strip()
+    if folder:
+        path = os.path.abspath(folder)
+        probe = path
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)  # the nearest existing ancestor is where the folder gets created
+        if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+            raise ConfigError(f"PORTSPEED_TRACE_DIR={folder!r} is not a writable folder ({probe!r} is "
+                              f"{'not a folder' if not os.path.isdir(probe) else 'not writable'}); give a folder "
+                              "this user can write, or unset it for a new one under the temporary directory")
+        kw["trace_dir"] = path
+    if "PORTSPEED_TRACE_ON_EXIT" in env:
+        kw["trace_on_exit"] = parse_bool("PORTSPEED_TRACE_ON_EXIT", env["PORTSPEED_TRACE_ON_EXIT"])
+    return kw
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The validated PORTSPEED_* environment."""
@@ -66,6 +169,10 @@ class Settings:
     timeout: float = 300.0
     loss_log: str | None = None
     gloo_lazy_init: bool = True
+    te_kernels: tuple[tuple[str, str], ...] = ()
+    trace: int = 0
+    trace_dir: str | None = None
+    trace_on_exit: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -114,10 +221,20 @@ class Settings:
             kw["timeout"] = t
         if "PORTSPEED_GLOO_LAZY_INIT" in env:
             kw["gloo_lazy_init"] = parse_bool("PORTSPEED_GLOO_LAZY_INIT", env["PORTSPEED_GLOO_LAZY_INIT"])
+        te_kernels = env.get("PORTSPEED_TE_KERNELS", "").strip()
+        if te_kernels:
+            kw["te_kernels"] = parse_te_kernels(te_kernels)
+        kw.update(_trace_settings(env))
         loss_log = env.get("PORTSPEED_LOSS_LOG", "").strip()
         if loss_log:
             kw["loss_log"] = loss_log
         return cls(**kw)
+
+    def te_kernel_start(self, op: str) -> str:
+        """Where the preference vendor -> torch -> reference starts for ``op`` (PORTSPEED_TE_KERNELS; default
+        vendor)."""
+        given = dict(self.te_kernels)
+        return given.get(op, given.get("*", "vendor"))
 
     def is_disabled(self, patch_name: str) -> bool:
         """True when PORTSPEED_DISABLE names this patch or a prefix ending in '*'."""

@@ -39,7 +39,7 @@ SOURCE_PACKAGES: dict[str, str] = {"megatron-core": "megatron.core"}
 SUPPORTED: dict[str, str] = {
     "megatron-core": ">=0.15,<0.20",
     "deepspeed": ">=0.19,<0.20",
-    "torch": ">=2.6,<2.14",
+    "torch": ">=2.6,<2.15",
 }
 
 

@@ -45,6 +45,16 @@ SETTINGS = [
     ({"PORTSPEED_FRAMEWORK_MODULES": "bad name!"}, ConfigError, ["PORTSPEED_FRAMEWORK_MODULES", "'bad name!'"]),
     ({"PORTSPEED_ACCELERATER": "cpu"}, ConfigError, ["PORTSPEED_ACCELERATER", "did you mean PORTSPEED_ACCELERATOR"]),
     ({"PORTSPEED_STIRCT": "1"}, ConfigError, ["PORTSPEED_STIRCT", "did you mean PORTSPEED_STRICT"]),
+    ({"PORTSPEED_TE_KERNELS": "fast"}, ConfigError, ["PORTSPEED_TE_KERNELS='fast'", "'fast' is not an implementation",
+                                                     "vendor, torch, reference"]),
+    ({"PORTSPEED_TE_KERNELS": "softmax=torch"}, ConfigError, ["PORTSPEED_TE_KERNELS='softmax=torch'",
+                                                              "'softmax' is not an operation", "rms_norm"]),
+    ({"PORTSPEED_TE_KERNEL": "torch"}, ConfigError, ["PORTSPEED_TE_KERNEL", "did you mean PORTSPEED_TE_KERNELS"]),
+    ({"PORTSPEED_TRACE": "-1"}, ConfigError, ["PORTSPEED_TRACE='-1'", "not a non-negative integer"]),
+    ({"PORTSPEED_TRACE": "lots"}, ConfigError, ["PORTSPEED_TRACE='lots'", "not a non-negative integer"]),
+    ({"PORTSPEED_TRACE_DIR": "/etc/passwd/dumps"}, ConfigError, ["PORTSPEED_TRACE_DIR='/etc/passwd/dumps'",
+                                                                 "not a writable folder"]),
+    ({"PORTSPEED_TRACE_ON_EXIT": "maybe"}, ConfigError, ["PORTSPEED_TRACE_ON_EXIT='maybe'", "1/0, true/false"]),
 ]
 
 
@@ -109,6 +119,10 @@ RUN_LINES = [
     (["--nproc-per-node", "2", "missing.py"], {}, ["training script 'missing.py' not found"]),
     (["--adaptor", "bogus", "train.py"], {}, ["--adaptor 'bogus' is neither a known adaptor"]),
     (["--no-python", "train.py"], {}, ["--no-python runs TRAINING_SCRIPT as an executable"]),
+    (["--hang-timeout", "0", "train.py"], {}, ["--hang-timeout '0' is not a positive number of seconds"]),
+    (["--hang-timeout", "soon", "train.py"], {}, ["--hang-timeout 'soon' is not a positive number of seconds"]),
+    (["--hang-timeout", "60", "train.py"], {"PORTSPEED_TRACE": "0"}, ["--hang-timeout needs the flight recorder",
+                                                                       "PORTSPEED_TRACE=0"]),
 ]
 
 
@@ -134,6 +148,60 @@ def test_unknown_accelerator_fails_the_adaptor_import_itself() -> None:
     got = res.check().last_json()
     assert got["type"] == "UnknownAcceleratorError" and "PORTSPEED_ACCELERATOR='tpu'" in got["msg"]
     assert got["records"] == 0 and got["triggers"] == [] and got["megatron"] is False
+
+
+#: PORTSPEED_FRAMEWORK_MODULES entries no finder locates (refused at the adaptor's import, naming them) and
+#: entries that are accepted: (value, refused names or [] when accepted)
+FRAMEWORK_MODULES = [
+    ("no_such_pkg_rl", ["no_such_pkg_rl"]),
+    ("json,jsn", ["jsn"]),
+    ("json.no_such_sub", ["json.no_such_sub"]),
+    ("portspeed.no_such_sub", ["portspeed.no_such_sub"]),
+    ("__main__,json.decoder", []),
+]
+
+
+@pytest.mark.parametrize("value,refused", FRAMEWORK_MODULES, ids=[v for v, _ in FRAMEWORK_MODULES])
+def test_framework_module_that_cannot_be_imported_is_refused(value: str, refused: list[str]) -> None:
+    """Checked without importing anything new (a dotted name's parent is not run to find it)."""
+    from portspeed import config
+
+    names = [n for n in value.split(",")]
+    if not refused:
+        config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", names, env={})
+        return
+    with pytest.raises(ConfigError) as got:
+        config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", names, env={})
+    msg = str(got.value)
+    assert "\n" not in msg and "PORTSPEED_FRAMEWORK_MODULES" in msg and repr(refused) in msg, msg
+    config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", names, env={config.LATE_MODULES_ENV: ",".join(refused)})
+
+
+def test_framework_module_beside_the_script_counts_under_portspeed_run(tmp_path: Path) -> None:
+    """`portspeed run`'s worker imports the adaptor before the script's folder is on sys.path: look there too."""
+    from portspeed import config
+
+    (tmp_path / "rl_helpers_beside.py").write_text("")
+    with pytest.raises(ConfigError, match="rl_helpers_beside"):
+        config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", ["rl_helpers_beside"], env={})
+    config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", ["rl_helpers_beside"],
+                                  env={"PORTSPEED_RUN_TARGET": f"path:{tmp_path / 'train.py'}"})
+
+
+def test_unimportable_framework_module_fails_the_adaptor_import_itself() -> None:
+    """A real `import portspeed.megatron_adaptor` with a misspelt module: ConfigError naming it, no trigger left."""
+    res = run_snippet('''
+        import json, sys
+        try:
+            import portspeed.megatron_adaptor
+        except Exception as exc:
+            print(json.dumps({"type": type(exc).__name__, "msg": str(exc),
+                              "triggers": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)],
+                              "imported": "my_rl_trainr" in sys.modules}))
+    ''', timeout=TIMEOUT, env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_FRAMEWORK_MODULES": "__main__,my_rl_trainr"})
+    got = res.check().last_json()
+    assert got["type"] == "ConfigError" and "['my_rl_trainr']" in got["msg"], got
+    assert "PORTSPEED_FRAMEWORK_MODULES" in got["msg"] and got["triggers"] == [] and got["imported"] is False
 
 
 @pytest.mark.testdev
@@ -357,5 +425,5 @@ def test_example_trainer_refuses_bad_input(tmp_path: Path) -> None:
 
 
 def test_table_has_at_least_thirty_rows() -> None:
-    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + len(TRAINER_LOADS) + 3
+    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + len(TRAINER_LOADS) + 3 + len(FRAMEWORK_MODULES)
     assert rows >= 30, rows

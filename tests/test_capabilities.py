@@ -281,3 +281,12 @@ def test_unknown_backend_names_raise_listing_known_ones(name: str) -> None:
     with pytest.raises(UnknownBackendError, match="gloo") as info:
         check_backend_name(name)
     assert "nccl" in str(info.value)
+
+
+def test_gloo_2_14_row_is_checked_and_equals_2_13() -> None:
+    """torch 2.14.1's conformance run (2026-11-26) gave the 2.13 gaps: a checked row, with no 'outside' note."""
+    row, prev = capabilities_for("gloo", "2.14.1"), capabilities_for("gloo", "2.13.0")
+    assert row.notes == () and row.torch_version == "2.14.1"
+    assert {(g.collective, g.effect, g.op, g.dtype) for g in row.gaps} == \
+        {(g.collective, g.effect, g.op, g.dtype) for g in prev.gaps}
+    assert any("outside the checked range 2.6-2.14" in n for n in capabilities_for("gloo", "2.15.0").notes)

@@ -30,8 +30,9 @@ def test_test_device_passes_every_suite(tmp_path: Path) -> None:
     assert rc == 0, f"exit {rc}\n{out[-6000:]}\n{err[-3000:]}"
     checks = json.loads(out_json.read_text())["checks"]
     suites = {c["suite"] for c in checks}
-    assert suites == {"device", "collectives", "training"}
+    assert suites == {"device", "kernels", "collectives", "training"}
     assert not any(c["skipped"] for c in checks), "nothing may be skipped on a device that is not the host"
+    assert any(c["suite"] == "kernels" and "rms_norm" in c["name"] for c in checks)  # the test device's vendor kernel
     assert sum(c["suite"] == "collectives" for c in checks) >= 140  # every collective x dtype x op really ran (143)
     assert "matches CPU record" in out or "matches a CPU run here" in out
 

@@ -16,8 +16,9 @@ from portspeed.patches.megatron import all_patches
 
 #: megatron-core releases checked in CI (cp312 wheels from PyPI, read from the archive)
 WHEELS = ("0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
-#: Megatron-LM tags checked when MEGATRON_LM_GIT names the repository's git directory
-TAGS = ("core_v0.15.3", "core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0")
+#: Megatron-LM tags, and main at d98e8a64dd (reporting 0.20.0, recorded 2026-11-26), checked when
+#: MEGATRON_LM_GIT names the repository's git directory
+TAGS = ("core_v0.15.3", "core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "d98e8a64dd")
 
 BODY = '''
 import os
@@ -140,3 +141,19 @@ def test_the_shipped_patch_set_carries_its_fingerprints() -> None:
     missing = [p.name for p in all_patches()
                if not p.fingerprints and p.kind != "finder" and p.target.startswith("megatron")]
     assert not missing, f"patches without recorded fingerprints: {missing}"
+
+
+def test_watched_sources_say_present_absent_or_unknown(tmp_path: Path) -> None:
+    """A name bound by tuple unpacking counts; a missing one is None; a wheel says nothing of megatron.training."""
+    body = BODY + "\nif os.name:\n    pass\nelse:\n    (te_gemm, other) = (None, None)\n"
+    tree = drift.open_source(str(_tree(tmp_path, "0.17.1", body)))
+    watched = drift.scan_watched(tree, ["megatron.core.mod:te_gemm", "megatron.core.mod:absent",
+                                        "megatron.training.training:pretrain", "pretrain_gpt:get_batch"])
+    assert watched["megatron.core.mod:te_gemm"] is not None
+    assert watched["megatron.core.mod:absent"] is None
+    # no megatron/training here (a wheel): it says nothing about the training package or the scripts
+    assert "megatron.training.training:pretrain" not in watched and "pretrain_gpt:get_batch" not in watched
+    (tmp_path / "megatron" / "training").mkdir()
+    (tmp_path / "pretrain_gpt.py").write_text("def get_batch(it):\n    return next(it)\n")
+    watched = drift.scan_watched(tree, ["megatron.training.training:pretrain", "pretrain_gpt:get_batch"])
+    assert watched["megatron.training.training:pretrain"] is None and watched["pretrain_gpt:get_batch"] is not None

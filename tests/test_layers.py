@@ -20,7 +20,8 @@ SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("portspeed.errors", "portspeed.config", "portspeed.versions", "portspeed.lazy"),
     "patching": ("portspeed.patching",),
-    "device": ("portspeed.accelerator", "portspeed.comm", "portspeed.router"),
+    "accelerator": ("portspeed.accelerator",),
+    "comm": ("portspeed.comm", "portspeed.router"),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te"),
     "parity": ("portspeed.parity",),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
@@ -33,11 +34,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
 MAY_IMPORT: dict[str, set[str]] = {
     "foundation": set(),
     "patching": {"foundation"},
-    "device": {"foundation"},
-    "plugins": {"foundation", "patching", "device"},
+    "accelerator": {"foundation"},
+    "comm": {"foundation", "accelerator"},
+    "plugins": {"foundation", "patching", "accelerator", "comm"},
     "parity": {"foundation"},
-    "integrations": {"foundation", "patching", "device", "plugins", "parity"},
-    "top": {"foundation", "patching", "device", "plugins", "parity", "integrations"},
+    "integrations": {"foundation", "patching", "accelerator", "comm", "plugins", "parity"},
+    "top": {"foundation", "patching", "accelerator", "comm", "plugins", "parity", "integrations"},
 }
 
 #: single edges allowed across the rule above, each with its reason: (importing module, imported module)
@@ -98,7 +100,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_run_one_way() -> None:
-    """foundation <- engine (patching, device) <- plugins <- integrations <- top; parity beside, on the foundation."""
+    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity beside, on the foundation."""
     modules = _modules()
     known = set(modules)
     violations = []
@@ -141,3 +143,65 @@ def test_each_exception_is_still_needed() -> None:
     known = set(modules)
     unused = [edge for edge in EXCEPTIONS if edge[1] not in _imports(edge[0], modules[edge[0]], known)]
     assert not unused, f"EXCEPTIONS no module uses any more: {unused}"
+
+
+def _subpackage(module: str) -> str:
+    """``portspeed.comm.router`` -> ``portspeed.comm``; ``portspeed.patches.megatron.x`` -> ``portspeed.patches``."""
+    return ".".join(module.split(".")[:2])
+
+
+def _subpackage_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        src = _subpackage(name)
+        for target in _imports(name, path, known):
+            dst = _subpackage(target)
+            if dst != src and target != "portspeed":
+                graph.setdefault(src, set()).add(dst)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path (first node repeated at the end), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_subpackages_import_without_cycles() -> None:
+    """No two of portspeed's sub-packages import each other, directly or round a longer loop (deferred imports count)."""
+    cycle = _cycle(_subpackage_graph())
+    assert cycle is None, "sub-packages import each other: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    """The cycle check can fail: a two-package loop (accelerator <-> comm, as before the vocabulary moved) is found."""
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_moved_capabilities_module_is_one_module() -> None:
+    """``portspeed.comm.capabilities`` (the old name) is the very module ``portspeed.accelerator.capabilities``."""
+    import portspeed.accelerator.capabilities as new
+    import portspeed.comm.capabilities as old
+    from portspeed.comm import BackendGaps
+
+    assert old is new and BackendGaps is new.BackendGaps

@@ -357,6 +357,8 @@ def test_only_scripts_of_a_megatron_lm_checkout_become_framework_modules(tmp_pat
     (checkout / "megatron" / "training").mkdir(parents=True)
     (checkout / "megatron" / "training" / "__init__.py").write_text("")
     script, helper, user = checkout / "pretrain_gpt.py", checkout / "gpt_builders.py", tmp_path / "mine.py"
+    script.write_text("")  # only real files at the checkout's top count (tests/test_script_scope.py)
+    helper.write_text("")
     assert training_script.checkout_root(str(script)) == str(checkout)
     assert training_script.checkout_root(str(user)) is None and training_script.checkout_root(None) is None
     main = types.ModuleType("__main__")

@@ -164,7 +164,7 @@ def test_unmapped_call_names_call_caller_and_adapter(cpu_adapter) -> None:
     assert "PORTSPEED_DISABLE" in msg and "CUDA graphs" in msg
     with pytest.raises(UnsupportedCudaCallError, match="torch.cuda.some_new_api"):
         cv.some_new_api
-    assert not hasattr(cv, "MemPool")  # an AttributeError: hasattr probes answer False
+    assert not hasattr(cv, "use_mem_pool")  # an AttributeError: hasattr probes answer False
 
 
 # ---------------------------------------------------------------------- TorchView

@@ -1,10 +1,10 @@
 """``megatron.legacy.fused_kernels.load`` off CUDA: nothing to build, so nothing to do.
 
 ``megatron.training.initialize`` calls ``fused_kernels.load(args)`` on every rank. In
-core_v0.16.1 it builds no kernel: it asks ``nvcc -V`` under ``CUDA_HOME`` for the CUDA
-version (a TypeError when ``CUDA_HOME`` is None, as on any machine without the CUDA
-toolkit) and creates a ``build`` folder inside the source tree. Off CUDA it is replaced by
-a function that does nothing.
+core_v0.15.3 and core_v0.16.1 (the same ``load``) it builds no kernel: it asks ``nvcc -V``
+under ``CUDA_HOME`` for the CUDA version (a TypeError when ``CUDA_HOME`` is None, as on any
+machine without the CUDA toolkit) and creates a ``build`` folder inside the source tree.
+Off CUDA it is replaced by a function that does nothing.
 """
 
 from __future__ import annotations

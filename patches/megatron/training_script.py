@@ -13,6 +13,13 @@ modules (``model_provider``, ``gpt_builders``...) become framework modules
 (``portspeed.accelerator.translation.add_framework_prefixes``): they see the translated torch like the
 rest of Megatron. A user's own script is left alone (name it in PORTSPEED_FRAMEWORK_MODULES
 to opt in).
+
+A module counts only when its ``__file__`` is an absolute path to a real file at the top of
+the checkout, and its name is one the scope accepts (``scope.valid_prefix``): torch sets
+relative ``__file__`` values on ``torch.classes`` / ``torch.ops`` (``_classes.py``,
+``_ops.py``), which resolve into whatever folder the run started from, so a run launched
+from the checkout's root (as Megatron-LM's ``examples/`` scripts launch it) would otherwise
+offer ``torch.classes`` to the scope, which refuses it with ConfigError.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 from typing import Any
 
 from portspeed.accelerator.conditions import translated
+from portspeed.accelerator.scope import valid_prefix
 from portspeed.patching.record import WRAP, Patch
 
 from ._training_common import log_once
@@ -41,11 +49,19 @@ def checkout_root(path: str | None) -> str | None:
 
 
 def checkout_modules(root: str) -> list[str]:
-    """Names of imported modules whose file sits at the top of checkout ``root`` (``__main__`` included)."""
+    """Names of imported modules whose file sits at the top of checkout ``root`` (``__main__`` included).
+
+    Only an absolute ``__file__`` naming a real file counts (a relative one says nothing about
+    where the module lives), and only names the scope accepts, so what is returned can always
+    be handed to ``add_framework_prefixes``.
+    """
+    real_root = os.path.realpath(root)
     names = []
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
-        if isinstance(f, str) and os.path.dirname(os.path.abspath(f)) == root:
+        if not (isinstance(f, str) and os.path.isabs(f) and os.path.isfile(f)):
+            continue
+        if os.path.dirname(os.path.realpath(f)) == real_root and valid_prefix(name):
             names.append(name)
     return sorted(names)
 

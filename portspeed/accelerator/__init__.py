@@ -1,8 +1,12 @@
 """The device contract: what an adapter answers, how one is found and selected, and what framework code sees.
 
-Layer: engine. Imports the foundation (``portspeed.errors``, ``config``, ``versions``) and
-``portspeed.comm.capabilities`` (an adapter declares its backend's gaps); never a patch
-and never a framework.
+Layer: engine, below ``portspeed.comm``. Imports the foundation (``portspeed.errors``, ``config``,
+``versions``) only: never ``portspeed.comm`` (which asks this package for the adapter), never a
+patch and never a framework.
+
+- ``capabilities`` the collective vocabulary an adapter declares (``Capabilities``, ``BackendGaps``,
+                  backend names, torch's own tables); ``portspeed.comm.capabilities`` is this module.
+- ``kernel_ops``  the vendor kernel slot: the operations an adapter may serve, as contracts.
 
 - ``contract``    ``Accelerator``: the interface every adapter implements, and the
                   properties patches are gated on (``conditions``).
@@ -24,6 +28,8 @@ from portspeed.lazy import lazy_exports
 
 _PUBLIC = {
     "Accelerator": ".contract",
+    "BackendGaps": ".capabilities",
+    "Capabilities": ".capabilities",
     "BUILTIN_ADAPTERS": ".registry",
     "DETECTION_ORDER": ".registry",
     "ENTRY_POINT_GROUP": ".registry",

@@ -21,7 +21,7 @@ import torch
 from portspeed.errors import MissingVendorPackageError
 
 if TYPE_CHECKING:
-    from portspeed.comm.capabilities import BackendGaps, Capabilities
+    from portspeed.accelerator.capabilities import BackendGaps, Capabilities
 
 __all__ = ["Accelerator"]
 
@@ -50,7 +50,7 @@ class Accelerator:
     #: True for adapters whose hardware has been run in this project's own tests.
     verified_on_hardware: ClassVar[bool] = False
     #: What this adapter's own collective backend lacks (None: nothing beyond the built-in
-    #: defaults of ``portspeed.comm.capabilities``); the router rewrites what is listed.
+    #: defaults of ``portspeed.accelerator.capabilities``); the router rewrites what is listed.
     backend_gaps: ClassVar[BackendGaps | None] = None
 
     def __init__(self, backend: str | None = None) -> None:
@@ -227,6 +227,24 @@ class Accelerator:
         if nvtx is not None:
             nvtx.range_pop()
 
+    # -- vendor kernels -------------------------------------------------------------
+    @classmethod
+    def kernels(cls) -> dict[str, Any]:
+        """The operations this device serves with its own kernels: ``{op: function or "module:attr"}``.
+
+        The ops and their contracts: ``portspeed.accelerator.kernel_ops``. Declared in Python, read
+        without loading the device runtime (an import path is resolved when the op is first used);
+        checked against the contract at activation. Default: none (torch's fused operators, which
+        reach a vendor kernel registered with torch's dispatcher, then the reference).
+        """
+        return {}
+
+    # -- grouped GEMM capability -------------------------------------------------------
+    def has_grouped_mm(self, dtype: torch.dtype) -> bool:
+        """Whether torch's ``grouped_mm`` runs a real grouped kernel on this device for ``dtype``
+        (not a loop of matmuls): declared per device, never inferred from a name. Default: no."""
+        return False
+
     # -- collectives --------------------------------------------------------------
     @classmethod
     def default_backend(cls) -> str:
@@ -243,7 +261,7 @@ class Accelerator:
         The built-in defaults (``capabilities_for``: Gloo by torch release, NCCL), plus
         ``backend_gaps`` when ``backend`` is this adapter's own.
         """
-        from portspeed.comm.capabilities import capabilities_for
+        from portspeed.accelerator.capabilities import capabilities_for
 
         name = (backend or self.communication_backend).lower()
         if self.backend_gaps is not None and self.owns_backend(name):

@@ -33,6 +33,7 @@ import torch
 from portspeed.accelerator import get_accelerator
 from portspeed.accelerator.cuda_rules import (BOOL, DISCARD, INT, Alias, Delegate, Forward, NamedOnly, Namespace,
                                               Returns, Signature, Unsupported, Use, build)
+from portspeed.accelerator.served_class import served_class
 from portspeed.errors import UnsupportedCudaCallError
 
 __all__ = ["CUDA_API", "CudaView"]
@@ -238,13 +239,26 @@ def _grad_scaler(*args: Any, **kwargs: Any) -> Any:
     return _REAL_TORCH.amp.GradScaler(get_accelerator().device_type, *args, **kwargs)
 
 
+# torch classes served as classes whose call makes the adapter's object (``served_class``); ``device``,
+# the named-only types and the Forward types are classes already (tests/test_view_classes.py)
+_REAL_AMP = _REAL_CUDA.amp
+_Stream = served_class("Stream", lambda *a, **k: get_accelerator().Stream(*a, **k),
+                       real=getattr(_REAL_CUDA, "Stream", None), also=(getattr(_REAL_TORCH, "Stream", None),),
+                       probe=lambda: type(get_accelerator().current_stream()))
+_Event = served_class("Event", lambda *a, **k: get_accelerator().Event(*a, **k),
+                      real=getattr(_REAL_CUDA, "Event", None), also=(getattr(_REAL_TORCH, "Event", None),))
+_CudaAutocast = served_class("autocast", _cuda_autocast, module="torch.cuda.amp",
+                             real=getattr(_REAL_AMP, "autocast", None), also=(_REAL_TORCH.amp.autocast,))
+_GradScaler = served_class("GradScaler", _grad_scaler, module="torch.cuda.amp",
+                           real=getattr(_REAL_AMP, "GradScaler", None), also=(_REAL_TORCH.amp.GradScaler,))
+
+
 # ---------------------------------------------------------------------- the table
 NOTHING = Signature()
 DEVICE = Signature("device=None", "_device_index(device)")
 CUDA_DEVICE = Signature("device='cuda'", "_device_index(device)")
 STATE_ON_CUDA_DEVICE = Signature("new_state, device='cuda'", "new_state, _device_index(device)")
 SEED = Signature("seed", "int(seed)")
-ANYTHING = Signature("*args, **kwargs", "*args, **kwargs")
 STREAM = Signature("stream", "stream")
 MESSAGE = Signature("msg", "msg")
 
@@ -288,8 +302,8 @@ CUDA_API: dict[str, Any] = {
     "seed": Use(_seed),
     "initial_seed": Delegate("initial_seed", result=INT),
     # streams and events
-    "Stream": Delegate("Stream", ANYTHING),
-    "Event": Delegate("Event", ANYTHING),
+    "Stream": Use(_Stream),
+    "Event": Use(_Event),
     "current_stream": Delegate("current_stream", DEVICE),
     "default_stream": Delegate("default_stream", DEVICE),
     "stream": Delegate("stream", STREAM),
@@ -305,13 +319,13 @@ CUDA_API: dict[str, Any] = {
     "empty_cache": Delegate("empty_cache", result=DISCARD),
     "mem_get_info": Use(_mem_get_info),
     # autocast on the adapter's device type
-    "autocast": Use(_cuda_autocast),
+    "autocast": Use(_CudaAutocast),
     # sub-namespaces
     "nvtx": Namespace({"range_push": Delegate("range_push", MESSAGE, DISCARD),
                        "range_pop": Delegate("range_pop", result=DISCARD),
                        "range": Use(_range), "mark": Returns(None, "msg")}),
-    "amp": Namespace({"autocast": Use(_cuda_autocast), "custom_fwd": Use(_custom_fwd),
-                      "custom_bwd": Use(_custom_bwd), "GradScaler": Use(_grad_scaler)}),
+    "amp": Namespace({"autocast": Use(_CudaAutocast), "custom_fwd": Use(_custom_fwd),
+                      "custom_bwd": Use(_custom_bwd), "GradScaler": Use(_GradScaler)}),
     "random": Namespace({name: Alias(name) for name in (
         "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "initial_seed", "seed",
         "get_rng_state_all", "set_rng_state_all")}),
@@ -324,7 +338,9 @@ CUDA_API: dict[str, Any] = {
     "graphs": Unsupported(_GRAPHS),
     "graph_pool_handle": Unsupported(_GRAPHS),
     "make_graphed_callables": Unsupported(_GRAPHS),
-    "MemPool": Unsupported(_POOLS),
+    # named in a class-level annotation (``torch.cuda.MemPool | None``) by Megatron-LM main's
+    # megatron_fsdp/experimental/parameter_group.py: naming it works, constructing one raises
+    "MemPool": NamedOnly(_POOLS),
     "use_mem_pool": Unsupported(_POOLS),
     # named in annotations at import time (Megatron-LM's megatron.core.resharding, imported by
     # megatron.training): naming it works, constructing one raises

@@ -35,7 +35,8 @@ __all__ = ["SETTINGS", "check_settings", "check_device", "check_layout"]
 SETTINGS: tuple[str, ...] = (
     "PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTSPEED_DISABLE",
     "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT", "PORTSPEED_LOSS_LOG", scope.FRAMEWORK_ENV,
-    "PORTSPEED_GLOO_LAZY_INIT",
+    "PORTSPEED_GLOO_LAZY_INIT", "PORTSPEED_TE_KERNELS",
+    "PORTSPEED_TRACE", "PORTSPEED_TRACE_DIR", "PORTSPEED_TRACE_ON_EXIT",
 )
 #: variables set by portspeed for its own processes (`portspeed run` workers, the test device's build)
 _INTERNAL_PREFIXES = ("PORTSPEED_RUN_", "PORTSPEED_TESTDEV_")
@@ -66,7 +67,7 @@ def _entry_point_backends() -> set[str]:
 
 
 def _check_backend(backend: str) -> None:
-    from portspeed.comm.capabilities import check_backend_name
+    from portspeed.accelerator.capabilities import check_backend_name
 
     try:
         check_backend_name(backend)
@@ -75,7 +76,7 @@ def _check_backend(backend: str) -> None:
         declared = _entry_point_backends()
         if backend in declared:
             return
-        from portspeed.comm.capabilities import KNOWN_BACKENDS
+        from portspeed.accelerator.capabilities import KNOWN_BACKENDS
 
         accepted = sorted(set(KNOWN_BACKENDS) | declared)
         raise UnknownBackendError(

@@ -30,13 +30,22 @@ log = logging.getLogger("portspeed.accelerator")
 _lock = threading.RLock()
 _selected: Accelerator | None = None
 _reason: str = ""
+#: bumped whenever the active adapter may change (set / reset): caches keyed on the adapter compare it
+_generation: int = 0
+
+
+def _check_kernels(acc: Accelerator) -> None:
+    """Refuse, naming the adapter and the op, a declared vendor kernel that does not fit its contract."""
+    from portspeed.accelerator.kernel_ops import check_declared
+
+    check_declared(acc.name, acc.kernels())
 
 
 def _backend_override() -> str | None:
     b = config.settings().backend
     if b is None:
         return None
-    from portspeed.comm.capabilities import check_backend_name
+    from portspeed.accelerator.capabilities import check_backend_name
     from portspeed.errors import UnknownBackendError
 
     try:
@@ -50,6 +59,7 @@ def _make(name: str, reason: str) -> Accelerator:
     cls = adapter_class(name)
     cls.load_vendor()
     acc = cls(backend=_backend_override())
+    _check_kernels(acc)
     global _reason
     _reason = reason
     return acc
@@ -88,18 +98,21 @@ def get_accelerator() -> Accelerator:
 
 def set_accelerator(accelerator: Accelerator) -> None:
     """Inject an adapter instance (the official hook, like DeepSpeed's set_accelerator)."""
-    global _selected, _reason
+    global _selected, _reason, _generation
     if not isinstance(accelerator, Accelerator):
         raise TypeError(f"set_accelerator() takes an Accelerator instance, got {type(accelerator).__name__}")
+    _check_kernels(accelerator)
     with _lock:
+        _generation += 1
         _selected = accelerator
         _reason = "set_accelerator()"
 
 
 def reset_accelerator() -> None:
     """Forget the selection and the entry-point scan (tests); the next get_accelerator() selects again."""
-    global _selected, _reason
+    global _selected, _reason, _generation
     with _lock:
+        _generation += 1
         _selected = None
         _reason = ""
         forget_entry_points()

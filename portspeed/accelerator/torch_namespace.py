@@ -7,8 +7,9 @@ Contract
   and the Tensor/Module patches (``portspeed.patches.torch_cuda``) use these two.
 - ``TorchView`` is a module-like proxy of ``torch``: ``.cuda`` is the CudaView, the tensor
   factories (``FACTORIES``), ``autocast`` and ``Generator`` translate CUDA device arguments
-  to the adapter's device; everything else is the real torch object, copied into the view's
-  namespace, so an attribute read costs what it costs on the real module.
+  to the adapter's device (the two classes stay classes: ``served_class``, ``Generator``);
+  everything else is the real torch object, copied into the view's namespace, so an
+  attribute read costs what it costs on the real module.
 
 Which modules see the view, and when, is ``portspeed.accelerator.translation``'s business;
 nothing here installs anything.
@@ -29,6 +30,7 @@ import torch
 
 from portspeed.accelerator import get_accelerator
 from portspeed.accelerator.cuda_view import CudaView, _autocast
+from portspeed.accelerator.served_class import served_class
 
 __all__ = ["FACTORIES", "Generator", "TorchView", "names_cuda", "translate_device"]
 
@@ -112,10 +114,10 @@ class _GeneratorType(type):
     """
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, _REAL_TORCH.Generator)
+        return type.__instancecheck__(cls, obj) or isinstance(obj, _REAL_TORCH.Generator)
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, _REAL_TORCH.Generator)
+        return type.__subclasscheck__(cls, sub) or issubclass(sub, _REAL_TORCH.Generator)
 
     def __getattr__(cls, attr: str) -> Any:
         return getattr(_REAL_TORCH.Generator, attr)
@@ -140,6 +142,11 @@ class Generator(metaclass=_GeneratorType):
     __portspeed_original__ = _REAL_TORCH.Generator
 
 
+#: ``torch.autocast`` for framework modules: a class (annotations, isinstance) whose call maps a CUDA
+#: device type onto the adapter's; instances are real ``torch.autocast`` objects.
+Autocast = served_class("autocast", _autocast, module="torch", real=_REAL_TORCH.autocast)
+
+
 class TorchView(types.ModuleType):
     """``torch`` as framework modules see it: the real namespace, with ``cuda`` and factories translated."""
 
@@ -152,7 +159,7 @@ class TorchView(types.ModuleType):
             fn = getattr(_REAL_TORCH, name, None)
             if fn is not None:
                 self.__dict__[name] = _factory(fn)
-        self.__dict__["autocast"] = _autocast
+        self.__dict__["autocast"] = Autocast
         self.__dict__["Generator"] = Generator
         self.__dict__["cuda"] = cuda
 

@@ -297,6 +297,44 @@ def _unscope_all() -> None:
                 ns[key] = hit[1]
 
 
+# ---------------------------------------------------------------------- modules already running
+# A module whose body is executing when the translation is enabled (the entry script named as
+# ``__main__`` that imports the adaptor on its first line, a Ray actor's module doing the same, or
+# the ``__main__`` that `portspeed run`'s worker makes after the adaptor's import) runs in a frame
+# that keeps the builtins it started with, so its later ``import torch`` would bind the real
+# torch. When the user names modules of their own in PORTSPEED_FRAMEWORK_MODULES, a hook on
+# ``builtins.__import__`` serves framework callers the views too; every other importer calls
+# straight through. Without such names it is never installed (prefixes added at run time by
+# ``add_framework_prefixes`` alone do not install it).
+_global_hook: Callable[..., Any] | None = None
+_hook_real_import: Callable[..., Any] | None = None
+
+
+def _install_running_module_hook() -> None:
+    global _global_hook, _hook_real_import
+    if _global_hook is not None or not set(framework_modules.env_prefixes()) - set(DEFAULT_PREFIXES):
+        return
+    real = builtins.__import__
+    scoped = _make_import(real)
+
+    def framework_caller_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (),
+                                level: int = 0) -> Any:
+        who = globals.get("__name__") if isinstance(globals, dict) else None
+        if _enabled and who is not None and (who.startswith(_hot_dotted) or who in _hot_exact):
+            return scoped(name, globals, locals, fromlist, level)
+        return real(name, globals, locals, fromlist, level)
+
+    _global_hook, _hook_real_import = framework_caller_import, real
+    builtins.__import__ = framework_caller_import
+
+
+def _remove_running_module_hook() -> None:
+    global _global_hook, _hook_real_import
+    if _global_hook is not None and builtins.__import__ is _global_hook:
+        builtins.__import__ = _hook_real_import
+    _global_hook = _hook_real_import = None  # a hook wrapped by someone since stays, and calls through
+
+
 def enable() -> bool:
     """Scope the views onto framework modules (now and at later imports); False where CUDA runs natively."""
     global _enabled, _finder, _BUILTINS
@@ -308,6 +346,7 @@ def enable() -> bool:
         if _enabled:
             reload_prefixes()
             _scope_loaded()
+            _install_running_module_hook()
             return True
         reload_prefixes()
         _BUILTINS = _scoped_builtins()
@@ -315,6 +354,7 @@ def enable() -> bool:
         _finder = _ScopeFinder()
         sys.meta_path.insert(0, _finder)
         _scope_loaded()
+        _install_running_module_hook()
         return True
 
 
@@ -327,6 +367,7 @@ def disable() -> None:
         if _finder is not None and _finder in sys.meta_path:
             sys.meta_path.remove(_finder)
         _finder = None
+        _remove_running_module_hook()
         _unscope_all()
         _enabled = False
 

@@ -4,7 +4,11 @@ Reports, like DeepSpeed's ``ds_report``:
 - versions of torch, megatron-core, deepspeed and portspeed's own dependencies (from
   distribution metadata: nothing is imported to read a version);
 - every adapter (built-in and entry-point): vendor package installed, device available,
-  and which one is selected and why (``selection_reason()``);
+  and which one is selected and why (``selection_reason()``). Answered from what is
+  installed, built and declared in Python: no device runtime is imported or compiled here
+  (an adapter's vendor modules already imported, e.g. by auto-detection, are asked whether a
+  device is there; otherwise the row says "not loaded"; an adapter that declares
+  ``vendor_build_missing()``, the test device, says "not built: ..." when its build is absent);
 - the selected backend's capability gaps on the installed torch (what the collective
   router will rewrite);
 - each patch set (torch_cuda, torch_distributed, megatron, deepspeed) with every patch's
@@ -69,15 +73,34 @@ def _gate_versions() -> dict[str, str]:
     return out
 
 
-def _package_loads(cls: Any) -> bool:
-    """Whether the adapter's vendor package (or torch build) is there: cheap check, then the import."""
-    if not cls.vendor_installed():
-        return False
+def _build_missing(cls: Any) -> str | None:
+    """What the adapter declares must be built before its runtime loads ("not built: ..."), or None."""
+    ask = getattr(cls, "vendor_build_missing", None)
+    if not callable(ask):
+        return None
     try:
-        cls.load_vendor()
-    except Exception:
-        return False
-    return True
+        return ask()
+    except Exception as exc:  # a broken declaration is reported, not fatal
+        return f"build state unknown: {type(exc).__name__}: {exc}"
+
+
+def _vendor_state(cls: Any) -> tuple[bool, bool | None, str]:
+    """(installed, available, note) from what is installed, built and already imported; imports no vendor module.
+
+    ``available`` is None where the answer needs the vendor runtime loaded (importing it can
+    register a device or compile an extension, which `portspeed info` never does).
+    """
+    if not cls.vendor_installed():
+        return False, False, ""
+    missing = _build_missing(cls)
+    if missing:
+        return False, False, missing
+    if any(m not in sys.modules for m in cls.vendor_modules):
+        return True, None, "not loaded (portspeed info imports no device runtime)"
+    try:
+        return True, bool(cls.detect()), ""
+    except Exception as exc:
+        return True, False, f"detection failed: {type(exc).__name__}: {exc}"
 
 
 def _adapters(selected: str | None) -> list[dict[str, Any]]:
@@ -90,14 +113,16 @@ def _adapters(selected: str | None) -> list[dict[str, Any]]:
             row.update(error=f"{type(exc).__name__}: {exc}")
             rows.append(row)
             continue
-        installed = _package_loads(cls)
+        installed, available, note = _vendor_state(cls)
         row.update(
             vendor_package=cls.vendor_package,
             package_installed=installed,
-            available=bool(installed and cls.detect()),
+            available=available,
             backend=cls.backend,
             verified_on_hardware=cls.verified_on_hardware,
         )
+        if note:
+            row["note"] = note
         rows.append(row)
     return rows
 
@@ -160,6 +185,21 @@ def _patch_sets(settings: config.Settings, acc: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _requested_unbuilt(settings: config.Settings) -> dict[str, Any] | None:
+    """The named adapter (PORTSPEED_ACCELERATOR) when selecting it would compile its runtime first, else None."""
+    name = settings.accelerator
+    if not name:
+        return None
+    try:
+        missing = _build_missing(adapter_class(name))
+    except Exception:  # an unknown name: selection reports it
+        return None
+    if not missing:
+        return None
+    return {"name": name, "reason": "PORTSPEED_ACCELERATOR",
+            "not_loaded": f"{missing}; portspeed info builds nothing (a run builds it on first use)"}
+
+
 def collect() -> dict[str, Any]:
     """Everything `portspeed info` reports, as plain data."""
     report: dict[str, Any] = {
@@ -176,18 +216,34 @@ def collect() -> dict[str, Any]:
         report.update(ok=False, settings_error=str(exc))
         settings = config.Settings()
     acc = None
-    if report["ok"]:
+    unbuilt = _requested_unbuilt(settings) if report["ok"] else None
+    if unbuilt is not None:
+        report["selected"] = unbuilt
+    elif report["ok"]:
         try:
             acc = get_accelerator()
             report["selected"] = {**acc.describe(), "reason": selection_reason()}
         except PortspeedError as exc:
             report.update(ok=False, selected={"error": f"{type(exc).__name__}: {exc}"})
-    report["adapters"] = _adapters(acc.name if acc is not None else None)
+    report["adapters"] = _adapters(acc.name if acc is not None else (unbuilt or {}).get("name"))
     if acc is not None:
         report["capabilities"] = _capabilities(acc)
     report["patch_sets"] = _patch_sets(settings, acc)
     report["transformer_engine"] = _transformer_engine(report["patch_sets"])
+    if acc is not None:
+        report["te_kernels"] = te_kernels(acc.name, settings)
     return report
+
+
+def te_kernels(adapter: str, settings: config.Settings) -> list[dict[str, str]]:
+    """Which implementation serves each portable-TE operation on ``adapter``, and why: from the adapter's Python
+    declarations and this torch only (``portable_te.kernels.plan``: nothing imported, no device runtime)."""
+    from portspeed.portable_te.kernels import plan
+
+    try:
+        return [c._asdict() for c in plan(adapter_class(adapter), settings)]
+    except Exception as exc:  # a broken declaration is refused at activation; here it is reported
+        return [{"op": "*", "impl": "error", "why": f"{type(exc).__name__}: {exc}"}]
 
 
 #: the patch that serves portspeed's portable Transformer Engine (patches/megatron/core_portable_te.py)
@@ -230,20 +286,23 @@ def render(report: dict[str, Any]) -> str:
     if "settings_error" in report:
         out += ["", f"SETTINGS ERROR: {report['settings_error']}"]
     out += ["", "adapters:"]
-    rows = [["name", "package", "installed", "available", "backend", "verified", "selected"]]
+    rows = [["name", "package", "installed", "available", "backend", "verified", "selected", "note"]]
     for a in report["adapters"]:
         if "error" in a:
-            rows.append([a["name"], "-", "-", "-", "-", "-", f"ERROR {a['error']}"])
+            rows.append([a["name"], "-", "-", "-", "-", "-", f"ERROR {a['error']}", ""])
             continue
         sel = report.get("selected", {})
         rows.append([
-            a["name"], a["vendor_package"] or "-", _yn(a["package_installed"]), _yn(a["available"]),
-            a["backend"], _yn(a["verified_on_hardware"]), f"* {sel.get('reason', '')}" if a["selected"] else "",
+            a["name"], a["vendor_package"] or "-", _yn(a["package_installed"]),
+            "?" if a["available"] is None else _yn(a["available"]), a["backend"], _yn(a["verified_on_hardware"]),
+            f"* {sel.get('reason', '')}" if a["selected"] else "", a.get("note", ""),
         ])
     out += _table(rows)
     sel = report.get("selected")
     if sel and "error" in sel:
         out += ["", f"SELECTION ERROR: {sel['error']}"]
+    if sel and "not_loaded" in sel:
+        out += ["", f"selected {sel['name']!r} ({sel['reason']}), not loaded: {sel['not_loaded']}"]
     caps = report.get("capabilities")
     if caps:
         out += ["", f"backend {caps['backend']!r} on torch {caps.get('torch_version', '?')}:"]
@@ -257,6 +316,9 @@ def render(report: dict[str, Any]) -> str:
                             g.get("effect", ""), g.get("note", "")] for g in caps["gaps"]], indent="    ")
         for n in caps.get("notes", []):
             out.append(f"  note: {n}")
+    if report.get("te_kernels"):
+        out += ["", "portable Transformer Engine kernels (vendor -> torch -> reference; PORTSPEED_TE_KERNELS):"]
+        out += _table([[k["op"], k["impl"], k["why"]] for k in report["te_kernels"]])
     out += ["", "patch sets:"]
     for s in report["patch_sets"]:
         if "error" in s:

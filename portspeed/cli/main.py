@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("portspeed.cli.run:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
     "megatron-tests": ("portspeed.cli.megatron_tests:main",
                        "Megatron-LM's own unit tests (tests/unit_tests of a checkout), launched as its CI does"),
+    "why-hung": ("portspeed.cli.why_hung:main", "read the ranks' flight-recorder dumps and name why the job hung"),
     "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
     "conformance": ("portspeed.conformance.__main__:main",
                     "prove an adapter on its hardware: device, collectives, training vs CPU losses"),

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from portspeed.accelerator.scope import FRAMEWORK_ENV
+from portspeed.config import LATE_MODULES_ENV
 from portspeed.errors import PortspeedError
 from portspeed.testing.pytest_rank_report import REPORT_ENV
 
@@ -230,6 +231,7 @@ def child_env(root: Path, base: dict[str, str] | None = None, modules: list[str]
     env = dict(os.environ if base is None else base)
     named = [n.strip() for n in env.get(FRAMEWORK_ENV, "").split(",") if n.strip()]
     env[FRAMEWORK_ENV] = ",".join(dict.fromkeys(named + ["tests", *modules]))
+    env[LATE_MODULES_ENV] = ",".join(modules)  # imported by pytest from their folders: not on sys.path yet
     env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     return env

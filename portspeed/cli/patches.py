@@ -134,12 +134,16 @@ def check_source(spec: str) -> dict[str, Any]:
     from portspeed.patching import drift
 
     tree = drift.open_source(spec)
-    release, findings = drift.check(patch_sets.load("megatron"), tree)
+    patches = patch_sets.load("megatron")
+    release, findings = drift.check(patches, tree)
     counts: dict[str, int] = {}
     for f in findings:
         counts[f.status] = counts.get(f.status, 0) + 1
+    # the sources that show where a narrowed range's upstream edge is (portspeed.patching.narrowing)
+    watches = sorted({w for p in patches for w in getattr(p.versions, "watch", ())})
     return {"source": tree.label, "release": str(release), "counts": counts,
-            "findings": [f.as_dict() for f in findings], "ok": not any(counts.get(s) for s in drift.DRIFT)}
+            "findings": [f.as_dict() for f in findings], "ok": not any(counts.get(s) for s in drift.DRIFT),
+            "watched": drift.scan_watched(tree, watches)}
 
 
 def render_check(result: dict[str, Any]) -> str:
@@ -161,11 +165,17 @@ def record(result: dict[str, Any], path: str | None = None) -> str:
     for f in result["findings"]:
         if f["fingerprint"] is not None and f["status"] != "inactive":
             table.setdefault(f["name"], {})[result["release"]] = f["fingerprint"]
+    watched = {k: dict(v) for k, v in getattr(fingerprints, "WATCHED", {}).items()}
+    for watch, digest in result.get("watched", {}).items():
+        watched.setdefault(watch, {})[result["release"]] = digest
     path = path or fingerprints.__file__
     head = (fingerprints.__doc__ or "").strip()
     body = pprint.pformat(table, width=110, sort_dicts=True)
+    watched_body = pprint.pformat(watched, width=110, sort_dicts=True)
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(f'"""{head}\n"""\n\nFINGERPRINTS: dict[str, dict[str, str]] = {body}\n')
+        fh.write(f'"""{head}\n"""\n\nFINGERPRINTS: dict[str, dict[str, str]] = {body}\n\n'
+                 f'#: "module:attr" -> release -> fingerprint (None: not there) of the sources narrowed ranges watch\n'
+                 f'WATCHED: dict[str, dict[str, str | None]] = {watched_body}\n')
     return path
 
 

@@ -12,6 +12,13 @@ Options added to torchrun's:
 (``portspeed.deepspeed_adaptor``), ``none`` (no adaptor: plain torchrun through the same
 worker), or a dotted module name of your own (it must be importable by the workers).
 
+``--hang-timeout S``  when no rank completes a collective or point-to-point call for S
+seconds, every rank is asked to dump its flight recorder (SIGUSR1), the job is ended, and
+the closing lines are `portspeed why-hung`'s answer and the dump folder. It turns recording
+on (``PORTSPEED_TRACE``, 2000 entries unless set). Whenever recording is on, the dumps go
+to ``PORTSPEED_TRACE_DIR`` or a new folder under the temporary directory, named in one line,
+and a run whose dumps show a cause ends with that answer (docs/reliability.md, "When it hangs").
+
 Limits: ``--no-python`` (the script is an executable, so no Python runs before it) and
 ``--run-path`` (torchrun runs the script inside its own process) are refused with a
 message saying what to use instead. Everything else, elastic options included, is
@@ -30,7 +37,7 @@ import importlib.util
 import os
 import sys
 
-from portspeed.cli import failures
+from portspeed.cli import failures, hang_watch
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 
@@ -62,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="adaptor imported in every worker before the script: megatron (default), deepspeed, "
         "none, or a dotted module name",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        default=None,
+        metavar="S",
+        help="seconds without any rank completing a collective or point-to-point call before every rank dumps its "
+        "flight recorder, the job is ended and `portspeed why-hung` names the cause",
     )
     return parser
 
@@ -188,21 +202,29 @@ def main(argv: list[str] | None = None) -> int:
     except PortspeedError as exc:  # LaunchError, and bad PORTSPEED_* settings, devices or layouts
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        hang_s = hang_watch.check(args.hang_timeout)
+        folder = hang_watch.prepare(hang_s)
+    except PortspeedError as exc:
+        print(f"portspeed run: error: {exc}", file=sys.stderr)
+        return 2
     worker_command(args, adaptor_module)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    with failures.watch_failures() as seen:
+    with failures.watch_failures() as seen, hang_watch.watching(folder, hang_s) as hang:
         try:
             run(args)
         except ChildFailedError as exc:
             print(f"portspeed run: a worker failed:\n{exc.format_msg()}", file=sys.stderr)
             print(failures.summary_line(seen, ok=False), file=sys.stderr, flush=True)
+            hang_watch.closing_lines(folder, hang, failed=True)
             return 1
     if seen:  # restarted and then finished: say who died
         print(failures.summary_line(seen, ok=True), file=sys.stderr, flush=True)
-    return 0
+    hang_watch.closing_lines(folder, hang, failed=False)
+    return 1 if hang.fired else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -99,14 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     if opts.local_rank is not None:
         script_args = [f"--local-rank={opts.local_rank}", *script_args]
     os.environ[ADAPTOR_ENV] = opts.adaptor
+    target = f"module:{what}" if opts.module else f"path:{os.path.abspath(what)}"
+    os.environ[TARGET_ENV] = target  # first: the adaptor's check of PORTSPEED_FRAMEWORK_MODULES looks beside it
     _import_adaptor(opts.adaptor)
-    if opts.module:
-        target = f"module:{what}"
-    else:
-        script = os.path.abspath(what)
-        target = f"path:{script}"
-        sys.path[0] = os.path.dirname(script)
-    os.environ[TARGET_ENV] = target
+    if not opts.module:
+        sys.path[0] = os.path.dirname(target[len("path:"):])
     sys.argv = [what, *script_args]
     _run_as_main(target)
 

@@ -1,12 +1,14 @@
 """Collectives: which backend a group really runs on, what that backend lacks, and the rewrites.
 
-Layer: engine. Imports the foundation and ``portspeed.accelerator`` (the active adapter
-declares its backend's gaps); never a patch and never a framework. The patches in
+Layer: engine, above ``portspeed.accelerator``. Imports the foundation and ``portspeed.accelerator``
+(the active adapter, and the capability vocabulary it declares its backend's gaps in); never a
+patch and never a framework, and ``portspeed.accelerator`` never imports this package. The patches in
 ``portspeed.patches.torch_distributed`` wire these functions onto ``torch.distributed``.
 
 Modules, in import order (each imports only those above it):
 
-- ``capabilities``  what a backend lacks (``Capabilities``, ``BackendGaps``), torch's defaults.
+- ``capabilities``  the same module as ``portspeed.accelerator.capabilities`` (moved there: what a
+                    backend lacks, ``Capabilities``, ``BackendGaps``, torch's defaults).
 - ``backends``      backend names: the one asked for, the one that runs (``map_backend``,
                     ``real_backend``, ``requested_backend``).
 - ``groups``        wrappers of torch's group entry points; each group's capability table

@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm.capabilities import KNOWN_BACKENDS
+from portspeed.accelerator.capabilities import KNOWN_BACKENDS
 from portspeed.errors import UnknownBackendError
 
 __all__ = ["map_backend", "real_backend", "requested_backend"]

@@ -36,7 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from portspeed.comm import backends
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
-from portspeed.comm.capabilities import Capabilities, capabilities_for
+from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo
 
 __all__ = [

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm.capabilities import Gap, op_type
+from portspeed.accelerator.capabilities import Gap, op_type
 from portspeed.comm.work import complete, nothing, run
 from portspeed.errors import CollectiveUnsupportedError
 

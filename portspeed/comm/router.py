@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from portspeed.comm.backends import map_backend, real_backend, requested_backend
-from portspeed.comm.capabilities import CANONICAL_OP_IDS as _CANONICAL_OP_IDS, Gap
+from portspeed.accelerator.capabilities import CANONICAL_OP_IDS as _CANONICAL_OP_IDS, Gap
 from portspeed.comm.groups import _CAPS, capabilities_of, forget_all, use_capabilities
 from portspeed.comm.rewrites import _AG_TENSOR, _RS_TENSOR, Call, reset_stats, rewrite, stats
 from portspeed.comm.work import RewriteWork, nothing as _nothing

@@ -6,6 +6,8 @@ This kit is what a vendor (or a user) runs on its own machine against any adapte
 - ``device``: device/host separation (a host and a device tensor do not mix, moves are
   copies, views alias), the device generator is separate from the host's (seeding, state
   save/restore, dropout draws), streams, events and memory statistics answer;
+- ``kernels``: every vendor kernel the adapter declares (``Accelerator.kernels()``) against the
+  portable Transformer Engine's reference, values and gradients, fp32 and bf16 (``kernels.py``);
 - ``collectives``: every collective Megatron and DeepSpeed use, through portspeed's router
   with ``"nccl"`` requested, on device tensors, value for value against a single-process
   reference (gaps the adapter declares are rewritten);

@@ -9,7 +9,7 @@ from portspeed.conformance.report import Report
 
 __all__ = ["main"]
 
-SUITES = ("device", "collectives", "training")
+SUITES = ("device", "kernels", "collectives", "training")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from portspeed.conformance.device import run_device_checks
 
         run_device_checks(acc, report)
+    if "kernels" in suites:
+        from portspeed.conformance.kernels import run_kernel_checks
+
+        run_kernel_checks(acc, report)
     if "collectives" in suites:
         from portspeed.conformance.collectives import run_collective_checks
 

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -59,11 +60,14 @@ _hooked = False
 
 
 def deepspeed_patches() -> list[Patch]:
-    """Router + DeepSpeed patches, in registration order."""
+    """Router + DeepSpeed patches (+ Accelerate's, for the Trainer's ``deepspeed=`` path), in registration order."""
     from portspeed.patches import deepspeed as ds_patches
+    from portspeed.patches import hf_accelerate
     from portspeed.patches import torch_distributed
 
-    return [*torch_distributed.PATCHES, *ds_patches.PATCHES]
+    # Accelerate's only where it is installed: a DeepSpeed user without it is no drift (PORTSPEED_STRICT)
+    extra = hf_accelerate.PATCHES if importlib.util.find_spec("accelerate") is not None else []
+    return [*torch_distributed.PATCHES, *ds_patches.PATCHES, *extra]
 
 
 def ds_accelerator_for_adapter() -> Any:

@@ -141,4 +141,5 @@ def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend:
 # A bad PORTSPEED_* value fails here, at the import, not at Megatron's (and a bad
 # PORTSPEED_FRAMEWORK_MODULES too: defer() reads the prefixes at once).
 preflight.check_settings()
+config.check_findable_modules(framework_modules.FRAMEWORK_ENV, framework_modules.env_prefixes())
 activation.defer(ADAPTOR, framework_modules.framework_prefixes, activate)

@@ -29,6 +29,7 @@ PATCH_SETS: dict[str, tuple[str, str]] = {
     "torch_distributed": ("portspeed.patches.torch_distributed", "PATCHES"),
     "megatron": ("portspeed.patches.megatron", "all_patches"),
     "deepspeed": ("portspeed.patches.deepspeed", "PATCHES"),
+    "hf_accelerate": ("portspeed.patches.hf_accelerate", "PATCHES"),
 }
 
 

@@ -23,6 +23,11 @@ numbers and without empty fields (so the text is the same on Python 3.10 to 3.13
 count; any change to code does.
 The first 16 hex digits of its SHA-256 are kept, per (patch, release), in
 ``portspeed/patches/megatron/fingerprints.py``.
+
+``scan_watched`` fingerprints the sources a narrowed range watches (``narrowing.NarrowRange.watch``;
+a top-level script of the checkout, ``pretrain_gpt:get_batch``, counts as a module), None where
+the source shows they are not there; ``--record`` keeps them (``WATCHED``), so a range's edge can
+be checked against the release where its upstream fact appears, without a checkout.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ from typing import Any, Iterable
 
 from portspeed.versions import package_info_version
 
-__all__ = ["Finding", "SourceError", "SourceTree", "check", "fingerprint", "open_source", "DRIFT"]
+__all__ = ["Finding", "SourceError", "SourceTree", "check", "fingerprint", "open_source", "scan_watched", "DRIFT"]
+
+#: top-level files of a Megatron-LM checkout the drift reader reads besides megatron/ (watched scripts)
+SCRIPTS = ("pretrain_gpt.py",)
 
 #: statuses that count as drift (exit status 1)
 DRIFT = ("changed", "missing", "unrecorded")
@@ -107,7 +115,7 @@ class GitTree(SourceTree):
 
     def __init__(self, gitdir: Path, rev: str) -> None:
         self.gitdir, self.rev, self.label = gitdir, rev, f"{gitdir}@{rev}"
-        res = self._git("ls-tree", "-r", "--name-only", rev, "--", "megatron")
+        res = self._git("ls-tree", "-r", "--name-only", rev, "--", "megatron", *SCRIPTS)
         if res.returncode != 0:
             raise SourceError(f"{self.label}: git cannot list revision {rev!r}: {res.stderr.strip()}")
         self._paths = set(res.stdout.split("\n"))
@@ -184,11 +192,20 @@ def _strip_docstrings(node: ast.AST) -> ast.AST:
     return node
 
 
+def _names(target: ast.expr) -> list[str]:
+    """Names an assignment target binds: ``x``, or each name of ``(a, b) = ...``."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for elt in target.elts for n in _names(elt)]
+    return []
+
+
 def _binds(stmt: ast.stmt, name: str) -> bool:
     if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return stmt.name == name
     if isinstance(stmt, ast.Assign):
-        return any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets)
+        return any(name in _names(t) for t in stmt.targets)
     if isinstance(stmt, ast.AnnAssign):
         return isinstance(stmt.target, ast.Name) and stmt.target.id == name
     return False
@@ -308,3 +325,34 @@ def check(patches: Iterable[Any], tree: SourceTree) -> tuple[Any, list[Finding]]
     """(release, findings) for every patch whose target is in Megatron (``megatron.*``)."""
     release = tree.release()
     return release, [check_one(p, tree, release) for p in patches if p.module.split(".")[0] == "megatron"]
+
+
+# ----------------------------------------------------------------------------- watched sources
+def watched_fingerprint(tree: SourceTree, watch: str) -> tuple[bool, str | None]:
+    """(known, fingerprint) of ``module:attr`` in ``tree``; fingerprint None when the source shows it is not there.
+
+    Why: a range narrowed for an upstream fact (``portspeed.patching.narrowing.UPSTREAM``) is
+    checked against the releases where its watched source appears, disappears or changes. A
+    source that cannot tell (a wheel has no ``megatron/training``, ``megatron/legacy`` or
+    top-level script) gives ``(False, None)``: nothing is recorded for it.
+    """
+    module, _, attr = watch.partition(":")
+    text, _rel = _module_file(tree, module)
+    if text is None:
+        is_checkout = tree.has_dir("megatron/training")
+        in_core = module.startswith("megatron.core")
+        return (is_checkout or in_core), None
+    try:
+        return True, fingerprint(text, tuple(attr.split(".")))
+    except SyntaxError:
+        return False, None
+
+
+def scan_watched(tree: SourceTree, watches: Iterable[str]) -> dict[str, str | None]:
+    """watch -> fingerprint (None: not there) for every watched source this tree can tell about."""
+    out: dict[str, str | None] = {}
+    for watch in watches:
+        known, digest = watched_fingerprint(tree, watch)
+        if known:
+            out[watch] = digest
+    return out

@@ -6,6 +6,8 @@ what the manager does, in the same words. The checks, in order:
 1. ``PORTSPEED_DISABLE`` names the patch                        -> ``disabled``
 2. its distribution is not installed                            -> ``skipped``
 3. the installed (or imported) release is outside its range     -> ``inactive``
+   (a range narrowed because it was *not run* on that release, though the release is inside
+   ``versions.SUPPORTED``, is also noted in the cache; ``check_versions`` says it once)
 4. its condition on the adapter (``when=``) raises              -> ``failed``
 5. its condition is false                                       -> ``inactive``
 6. otherwise                                                    -> ``pending`` (applies once its module is imported)
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from portspeed import config
 from portspeed.errors import PatchStrictError
+from portspeed.patching.narrowing import NOT_RUN
 from portspeed.versions import SUPPORTED, GateVersion, gate_version
 
 if TYPE_CHECKING:
@@ -36,7 +39,15 @@ GATE_STATUSES = ("disabled", "skipped", "inactive", "failed", "pending")
 
 
 class VersionCache(dict):
-    """distribution -> GateVersion, looked up once per gating pass."""
+    """distribution -> GateVersion, looked up once per gating pass (read from ``package_info.py``: nothing imported).
+
+    ``untested`` collects (patch, release, range) for each patch left out of a supported release
+    only because its range was not run there (``narrowing.NOT_RUN``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.untested: list[tuple[str, str, Any]] = []  # (patch, "distribution release", range)
 
     def __missing__(self, distribution: str) -> GateVersion:
         gv = self[distribution] = gate_version(distribution)
@@ -54,8 +65,13 @@ def gate(patch: Patch, settings: Settings, accelerator: Callable[[], Any],
             return "skipped", f"distribution {patch.distribution!r} is not installed (needed by target {patch.target})"
         if patch.versions and gv.version not in patch.specifier:
             # a declared range is a decision (this patch is for other releases), not drift
-            return "inactive", (f"{gv.describe(patch.distribution)} is outside the range {patch.versions!r} "
-                                f"this patch is written for")
+            why = (f"{gv.describe(patch.distribution)} is outside the range {str(patch.versions)!r} "
+                   f"this patch is written for")
+            if getattr(patch.versions, "kind", None) == NOT_RUN and _supported(patch.distribution, gv.version):
+                if versions is not None:
+                    versions.untested.append((patch.name, f"{patch.distribution} {gv.version}", patch.versions))
+                why += f", which was narrowed because it was {patch.versions.describe()}"
+            return "inactive", why
     if patch.when is not None:
         acc = accelerator()
         if acc is None:
@@ -69,13 +85,28 @@ def gate(patch: Patch, settings: Settings, accelerator: Callable[[], Any],
     return "pending", f"waiting for `import {patch.module}`"
 
 
+def _supported(distribution: str, version: Any) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    spec = SUPPORTED.get(distribution)
+    return spec is not None and version in SpecifierSet(spec, prereleases=True)
+
+
 def check_versions(seen: dict[str, GateVersion], said: set[str]) -> None:
     """Say once when imported code shadows the installed release, and when a release is untested.
 
     A version outside ``versions.SUPPORTED`` is one no patch was checked against: the patches
     whose ranges admit it still apply (most releases keep most targets), with one warning
-    naming the supported range; under PORTSPEED_STRICT=1 it is an error.
+    naming the supported range; under PORTSPEED_STRICT=1 it is an error. A supported release that
+    a patch's "not run there" range leaves out (``VersionCache.untested``) gets one line per patch.
     """
+    for name, release, spec in getattr(seen, "untested", ()):
+        key = f"untested:{name}=={release}"
+        if key not in said:
+            said.add(key)
+            log.warning("portspeed: patch %s is not applied to %s, which is inside the supported range, because "
+                        "its range %r was not run there (%s); what it fixes may fail on %s. Run it there and "
+                        "widen its range.", name, release, str(spec), spec.evidence, release)
     from packaging.specifiers import SpecifierSet
 
     for dist, gv in seen.items():

@@ -3,11 +3,13 @@
 Why this shape: Megatron's ``TEDotProductAttention`` hands TE the query ``[sq, b, np, hn]`` and the
 key / value ``[sk, b, ng, hn]`` of this tensor-parallel rank (layout ``sbhd``; ``bshd`` is the
 same with the first two dimensions swapped), with ``ng`` key/value groups for grouped-query
-attention (``num_gqa_groups``), and expects ``[sq, b, np * hn]`` back. The computation is TE's
-unfused one and Megatron's local ``DotProductAttention``: scores ``q k^T * softmax_scale``
-(default ``1 / sqrt(kv_channels)``), masked positions set to -10000, softmax in fp32, dropout
-inside the RNG tracker's fork (outside it with sequence parallelism, as TE and Megatron do),
-then ``probs v``.
+attention (``num_gqa_groups``), and expects ``[sq, b, np * hn]`` back. The arithmetic is TE's
+unfused one and Megatron's local ``DotProductAttention`` (scores ``q k^T * softmax_scale``, default
+``1 / sqrt(kv_channels)``, masked positions out, softmax, dropout on the probabilities, then ``v``),
+computed by the kernel serving ``kernel_ops.attention`` (``attention_kernel``): by default torch's
+fused ``F.scaled_dot_product_attention`` (``sdpa.attention_torch``), the reference arithmetic with
+``PORTSPEED_TE_KERNELS=reference``, or an adapter's declared kernel. Dropout runs inside the RNG
+tracker's fork (outside it with sequence parallelism, as TE and Megatron do), only in training.
 
 Masks (``attn_mask_type``): ``causal`` (upper triangle; a mask passed along is not needed),
 ``padding`` / ``arbitrary`` (the boolean ``attention_mask``, True = masked out), ``padding_causal``
@@ -16,16 +18,20 @@ Masks (``attn_mask_type``): ``causal`` (upper triangle; a mask passed along is n
 Context parallelism (``cp_group`` of more than one rank, ``--context-parallel-size``): Megatron
 gives each CP rank two chunks of every sequence, chunk ``r`` and chunk ``2 cp - 1 - r`` of ``2 cp``
 equal chunks (load balance for the causal mask), and keeps the rest of the flow (loss, RoPE slices,
-gradients) itself. Here the key and value chunks are all-gathered over the CP group (their
-gradients reduce-scattered back, ``comm.gather_sequence``) and the local queries attend to the
-whole sequence, the causal mask built from the chunks' global positions: the all-gather form of
-context parallelism, for every ``cp_comm_type`` Megatron passes (``p2p``, ``all_gather``, ``a2a``:
-one arithmetic, the communication pattern is TE's choice and not visible in the result).
+gradients) itself. Here (``_context_parallel``, the one CP call site) the key and value chunks
+are all-gathered over the CP group (their gradients reduce-scattered back,
+``comm.gather_sequence``) and the local queries attend to the whole sequence, the causal mask
+built from the chunks' global positions: the all-gather form of context parallelism, for
+``cp_comm_type`` ``all_gather`` (the same arithmetic as every other form: the communication pattern
+is not visible in the result). ``p2p`` and ``a2a`` go instead to the ring (``ring.py``: key/value
+blocks passed rank to rank, ``2 / cp`` of the sequence's keys and values per rank) unless
+``ring.ring_serves`` says why not.
 Hierarchical ``a2a+p2p`` (a list of groups) and padding masks with CP are refused.
 
 Packed sequences (``qkv_format="thd"`` with ``cu_seqlens_q`` / ``_kv`` and their padded forms):
-``packed.py``, one attention per sequence. Refused: sliding windows, non-vanilla softmax,
-attention bias, max-logit reporting, fp8 attention.
+``packed.py``: torch's variable-length kernel where the device has one, else one attention per
+sequence. Refused: sliding windows, non-vanilla softmax, attention bias, max-logit reporting,
+fp8 attention.
 """
 
 from __future__ import annotations
@@ -35,12 +41,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import comm
+from . import comm, ring, sdpa
 from .base import PortableModule, check_config
 from .packed import cp_positions, packed_attention
 from .refuse import refuse, refuse_if
 
-__all__ = ["DotProductAttention", "attention_reference"]
+__all__ = ["DotProductAttention", "attention_kernel"]
 
 #: the packed-sequence forward arguments (Megatron's PackedSeqParams fields TE takes)
 _PACKED = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded")
@@ -48,25 +54,35 @@ _MASK_TYPES = ("causal", "padding", "padding_causal", "no_mask", "arbitrary", "c
                "padding_causal_bottom_right")
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float, dropout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """q ``[b, np, sq, hn]``, k / v ``[b, ng, sk, hn]``; mask broadcastable to ``[b, np, sq, sk]``, True = masked."""
-    np_, ng = q.shape[1], k.shape[1]
-    if np_ != ng:
-        k = k.repeat_interleave(np_ // ng, dim=1)
-        v = v.repeat_interleave(np_ // ng, dim=1)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(mask, -10000.0)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    if dropout is not None:
-        probs = dropout(probs)
-    return torch.matmul(probs, v)
+_KERNELS: Any = None  # the op registry module once looked up (False: not in this tree, SDPA serves)
 
 
-def _causal(sq: int, sk: int, device: torch.device, bottom_right: bool) -> torch.Tensor:
-    offset = sk - sq + 1 if bottom_right else 1
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal=offset)
+def attention_kernel() -> Callable[..., torch.Tensor]:
+    """The implementation serving ``kernel_ops.attention``: the registry's choice (vendor, torch or reference,
+    ``PORTSPEED_TE_KERNELS``), or torch's SDPA where the registry module is absent. Looked up once per process."""
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            from . import kernels as registry
+        except ImportError:
+            registry = False
+        _KERNELS = registry
+    return _KERNELS.kernel("attention") if _KERNELS else sdpa.attention_torch
+
+
+def _mask_and_causal(mask_type: str, attention_mask: torch.Tensor | tuple | None) -> tuple[torch.Tensor | None,
+                                                                                          str | None]:
+    """Megatron's mask (True = masked out) and mask type -> the kernel contract's (True = may attend, causal)."""
+    mask = None
+    if mask_type in ("padding", "padding_causal", "arbitrary", "padding_causal_bottom_right"):
+        if isinstance(attention_mask, tuple):
+            refuse_if(attention_mask[0] is not attention_mask[1], "separate query/key padding masks", "pass one")
+            attention_mask = attention_mask[0]
+        mask = None if attention_mask is None else ~attention_mask
+    causal = None
+    if "causal" in mask_type:
+        causal = "bottom_right" if "bottom_right" in mask_type else "top_left"
+    return mask, causal
 
 
 class DotProductAttention(PortableModule):
@@ -138,13 +154,20 @@ class DotProductAttention(PortableModule):
         if key not in state_dict and key in missing_keys:
             missing_keys.remove(key)
 
-    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.attention_dropout.p == 0.0:
-            return probs
-        if self.sequence_parallel or self.get_rng_state_tracker is None:
-            return self.attention_dropout(probs)
-        with self.get_rng_state_tracker().fork():
-            return self.attention_dropout(probs)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                causal: str | None) -> torch.Tensor:
+        """The attention kernel on ``[b, h, s, d]``; dropout (training only) inside the RNG tracker's fork, outside
+        it with sequence parallelism or without a tracker (as TE and Megatron do)."""
+        p = self.attention_dropout.p if self.training else 0.0
+        fn = attention_kernel()
+        if p > 0.0 and not self.sequence_parallel and self.get_rng_state_tracker is not None:
+            with self.get_rng_state_tracker().fork():
+                return fn(q, k, v, attn_mask=attn_mask, causal=causal, scale=self.softmax_scale, dropout_p=p)
+        return fn(q, k, v, attn_mask=attn_mask, causal=causal, scale=self.softmax_scale, dropout_p=p)
+
+    def _varlen_allowed(self) -> bool:
+        """Packed sequences may go to torch's variable-length kernel: SDPA serves attention and no dropout runs."""
+        return attention_kernel() is sdpa.attention_torch and (not self.training or self.attention_dropout.p == 0.0)
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 attention_mask: torch.Tensor | tuple | None = None, qkv_format: str | None = None,
@@ -162,7 +185,8 @@ class DotProductAttention(PortableModule):
             refuse_if(packed["cu_seqlens_q"] is None or packed["cu_seqlens_kv"] is None,
                       "qkv_format='thd' without cu_seqlens_q / cu_seqlens_kv", "pass Megatron's PackedSeqParams")
             return packed_attention(query_layer, key_layer, value_layer, mask_type, self.softmax_scale,
-                                    self._attend, cp_group=self.cp_group, cp_size=self.cp_size,
+                                    self._attend, varlen=self._varlen_allowed(), cp_group=self.cp_group,
+                                    cp_size=self.cp_size,
                                     cp_rank=_rank_in(self.cp_group) if self.cp_size > 1 else 0, **packed)
         if fmt not in ("sbhd", "bshd"):
             refuse(f"qkv_format={fmt!r}", "use sbhd, bshd or thd")
@@ -172,35 +196,35 @@ class DotProductAttention(PortableModule):
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
         else:
             q, k, v = (t.permute(0, 2, 1, 3) for t in (query_layer, key_layer, value_layer))
-        cp = self.cp_size
-        positions = None
-        if cp > 1:
+        if self.cp_size > 1:
             refuse_if("padding" in mask_type or mask_type == "arbitrary",
                       f"attention masks of type {mask_type!r} with context parallelism", "use a causal or no mask")
-            k, v = (self._gather_over_cp(t) for t in (k, v))
-            positions = (cp_positions(q.shape[2], cp, _rank_in(self.cp_group), q.device),
-                         torch.cat([cp_positions(q.shape[2], cp, i, q.device) for i in range(cp)]))
-        sq, sk = q.shape[2], k.shape[2]
-        mask = None
-        if mask_type in ("padding", "padding_causal", "arbitrary", "padding_causal_bottom_right"):
-            if isinstance(attention_mask, tuple):
-                refuse_if(attention_mask[0] is not attention_mask[1], "separate query/key padding masks", "pass one")
-                attention_mask = attention_mask[0]
-            mask = attention_mask
-        if "causal" in mask_type and positions is not None:
-            mask = positions[1][None, :] > positions[0][:, None]  # a key after the query, in global positions
-        elif "causal" in mask_type:
-            causal = _causal(sq, sk, q.device, "bottom_right" in mask_type)
-            mask = causal if mask is None else (mask | causal)
-        out = attention_reference(q, k, v, mask, self.softmax_scale, self._dropout)  # [b, np, sq, hv]
+            out = self._context_parallel(q, k, v, mask_type)
+        else:
+            out = self._attend(q, k, v, *_mask_and_causal(mask_type, attention_mask))  # [b, np, sq, hv]
         if fmt == "sbhd":
             out = out.permute(2, 0, 1, 3)
         else:
             out = out.permute(0, 2, 1, 3)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return attention_reference(q, k, v, mask, self.softmax_scale, self._dropout)
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_type: str) -> torch.Tensor:
+        """Attention of this CP rank's queries ``[b, np, s_local, d]`` over the whole sequence (the one CP call site).
+
+        The all-gather form: keys and values gathered over the CP group, the causal mask from the chunks' global
+        positions; ``all_gather`` takes it, ``p2p`` / ``a2a`` take the ring where ``ring.ring_serves`` allows.
+        """
+        p = self.attention_dropout.p if self.training else 0.0
+        if ring.ring_serves(self.cp_comm_type, mask_type, p, q.shape[2], k.shape[2]):
+            return ring.ring_attention(q, k, v, self.cp_group, causal="causal" in mask_type, scale=self.softmax_scale)
+        cp, rank = self.cp_size, _rank_in(self.cp_group)
+        k, v = (self._gather_over_cp(t) for t in (k, v))
+        mask = None
+        if "causal" in mask_type:
+            qpos = cp_positions(q.shape[2], cp, rank, q.device)
+            kpos = torch.cat([cp_positions(q.shape[2], cp, i, q.device) for i in range(cp)])
+            mask = kpos[None, :] <= qpos[:, None]  # a key at or before the query, in global positions
+        return self._attend(q, k, v, mask, None)
 
     def _gather_over_cp(self, t: torch.Tensor) -> torch.Tensor:
         """``[b, h, s_local, d]`` -> ``[b, h, cp * s_local, d]`` in CP-rank order; gradients reduce-scattered back."""

@@ -25,22 +25,77 @@ What Megatron relies on, kept:
   ``fp8_meta["fp8_checkpoint"]``, ``init_fp8_metadata``) answers "no fp8", so one
   ``_extra_state`` entry per layer is saved and split per expert as Megatron expects.
 
+The multiplication itself is the kernel registry's choice (``kernels``, op ``grouped_mm``): a
+vendor's grouped kernel, else torch's ``grouped_mm`` for the dtypes the adapter declares
+(``Accelerator.has_grouped_mm``: the CUDA adapter, bf16 on compute capability >= 8.0), else the loop
+above. The per-expert weights (and so the checkpoint keys) stay as they are: a grouped kernel gets
+them stacked at call time (one copy of the expert weights per step, the cost of keeping the keys),
+and with ``fuse_wgrad_accumulation`` into ``main_grad`` the loop runs (the grouped kernels write
+``.grad``).
+
 Refused, by the same words as the other layers: userbuffers, ``delay_wgrad_compute`` and other
 options in ``linear.check_linear_options``; fp8 through the Megatron config (``check_config``).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
+
+from portspeed.accelerator import selection
 
 from . import comm
 from .base import PortableModule, check_config, resolve_device, set_tp_attributes, tracker_fork
+from .kernels import kernel
 from .linear import check_linear_options, linear_into_main_grad
 from .refuse import refuse
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "grouped_mm_reference", "grouped_mm_torch", "torch_grouped_mm_serves"]
+
+log = logging.getLogger("portspeed")
+_TORCH_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # public from 2.10
+#: (adapter selection generation, dtype) -> whether the adapter declares torch's grouped kernel for it
+_declared: dict[tuple[int, torch.dtype], bool] = {}
+
+
+def grouped_mm_reference(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The ``grouped_mm`` contract as a loop of matmuls (one host read of ``offsets``)."""
+    ends = [int(e) for e in offsets.tolist()]
+    starts = [0] + ends[:-1]
+    return torch.cat([x[s:e] @ weights[i] for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+def torch_grouped_mm_serves(dtype: torch.dtype) -> bool:
+    """Whether torch's grouped kernel serves ``dtype`` here: the active adapter declares it (logged once per dtype)."""
+    key = (selection._generation, dtype)
+    ok = _declared.get(key)
+    if ok is None:
+        acc = selection.get_accelerator()
+        ok = _declared[key] = _TORCH_GROUPED_MM is not None and bool(acc.has_grouped_mm(dtype))
+        log.info("portspeed: grouped GEMM in %s on adapter %r: %s", dtype, acc.name,
+                 "torch's grouped_mm" if ok else "a loop of matmuls (the adapter declares no grouped kernel for it)")
+    return ok
+
+
+def _aligned(x: torch.Tensor, weights: torch.Tensor) -> bool:
+    """torch's grouped kernels want every non-unit stride (and the output's rows) on 16 bytes."""
+    size = x.element_size()
+    strides = [s for s in (*x.stride(), *weights.stride(), weights.shape[-1]) if s != 1]
+    return all(s * size % 16 == 0 for s in strides)
+
+
+def grouped_mm_torch(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The ``grouped_mm`` contract on torch's grouped kernel for declared dtypes, else the loop."""
+    if not (torch_grouped_mm_serves(x.dtype) and _aligned(x, weights)):
+        return grouped_mm_reference(x, weights, offsets)
+    out = _TORCH_GROUPED_MM(x, weights, offs=offsets)
+    if out.requires_grad:  # torch's fallback (a loop) refuses an expanded (stride 0) gradient: make it dense
+        out.register_hook(lambda g: g.contiguous())
+    return out
 
 
 class GroupedLinear(PortableModule):
@@ -119,6 +174,10 @@ class GroupedLinear(PortableModule):
             raise ValueError(f"GroupedLinear: the splits {splits} add up to {sum(splits)}, the input has "
                              f"{x.shape[0]} rows")
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        fn = kernel("grouped_mm")
+        if not (fn is grouped_mm_reference or self.fuse_wgrad_accumulation
+                or (fn is grouped_mm_torch and not torch_grouped_mm_serves(x.dtype))):
+            return self._grouped(fn, x, inp, splits, biases)
         outs = []
         for i, chunk in enumerate(torch.split(x, splits)):
             out = linear_into_main_grad(chunk, getattr(self, f"weight{i}"), self.fuse_wgrad_accumulation)
@@ -126,6 +185,20 @@ class GroupedLinear(PortableModule):
                 out = out + biases[i]
             outs.append(out)
         out = torch.cat(outs).reshape(*inp.shape[:-1], self.out_features)
+        if self.return_bias:
+            return out, biases
+        return out
+
+    def _grouped(self, fn: Callable, x: torch.Tensor, inp: torch.Tensor, splits: list[int],
+                 biases: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """One grouped GEMM over the expert weights stacked as ``[g, in, out]``; biases added per row block."""
+        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)]).transpose(1, 2)
+        offsets = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32, device=x.device)
+        out = fn(x, weights, offsets)
+        if self.use_bias and not self.return_bias:
+            out = out + torch.repeat_interleave(torch.stack(biases), torch.tensor(splits, device=x.device), dim=0,
+                                                output_size=x.shape[0])
+        out = out.reshape(*inp.shape[:-1], self.out_features)
         if self.return_bias:
             return out, biases
         return out

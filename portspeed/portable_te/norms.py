@@ -6,6 +6,14 @@ tensor-parallel group) and ``zero_centered_gamma`` (the stored weight is ``gamma
 initialisation: the norm multiplies by ``1 + weight``). The statistics are computed in fp32 and
 the result cast back to the input dtype, as TE's kernels do; in fp32 this is
 ``torch.nn.functional.layer_norm`` / the RMS formula exactly.
+
+Which arithmetic runs is the kernel registry's choice (``kernels``: vendor -> torch -> reference):
+``rms_norm_torch`` is ``F.rms_norm`` (torch's fused kernel on CUDA, and a PrivateUse1 backend's
+``_fused_rms_norm``; on CPU a decomposition that also computes in fp32: equal to the reference bit
+for bit in fp32 and bf16 on torch 2.13), used when the weight's dtype is the input's (else torch
+would upcast, with a warning: the reference runs); ``layer_norm_torch`` is ``F.layer_norm`` in the
+input's dtype, whose kernels accumulate in fp32 (no upcast copies of ``x``; in bf16 it differs from
+the reference by accumulation order only, under one bf16 rounding step).
 """
 
 from __future__ import annotations
@@ -16,27 +24,54 @@ import torch
 import torch.nn.functional as F
 
 from .base import PortableModule, resolve_device
+from .kernels import kernel
 from .refuse import refuse_if
 
-__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]
+__all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm", "layer_norm_reference", "layer_norm_torch",
+           "rms_norm_reference", "rms_norm_torch"]
+
+
+def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         eps: float) -> torch.Tensor:
+    """The ``layer_norm`` contract by upcasting: fp32 copies of the input and parameters, one cast back."""
+    if x.dtype == torch.float32:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    out = F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps)
+    return out.to(x.dtype)
+
+
+def layer_norm_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The ``layer_norm`` contract on torch's kernel in the input's dtype (it accumulates in fp32)."""
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return layer_norm_reference(x, weight, bias, eps)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The ``rms_norm`` contract written out: fp32 statistics and product, one cast back."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The ``rms_norm`` contract on ``F.rms_norm`` (fused where the device has it) when the dtypes match."""
+    if weight.dtype != x.dtype:
+        return rms_norm_reference(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                zero_centered_gamma: bool) -> torch.Tensor:
     """LayerNorm over the last dimension, statistics in fp32, gamma ``1 + weight`` when zero-centred."""
     w = weight + 1 if zero_centered_gamma else weight
-    if x.dtype == torch.float32:
-        return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
-    out = F.layer_norm(x.float(), (x.shape[-1],), w.float(), None if bias is None else bias.float(), eps)
-    return out.to(x.dtype)
+    return kernel("layer_norm")(x, w, bias, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     """RMSNorm over the last dimension, in fp32, gamma ``1 + weight`` when zero-centred."""
     w = weight + 1 if zero_centered_gamma else weight
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
-    return out.to(x.dtype)
+    return kernel("rms_norm")(x, w, eps)
 
 
 class _Norm(PortableModule):

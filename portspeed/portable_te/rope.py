@@ -13,7 +13,9 @@ channels of ``t`` are rotated, the rest pass through: ``t * cos(freqs) + rotate(
 where ``rotate`` pairs the two halves of the ``r`` channels (``[-x2, x1]``) or, with
 ``interleaved``, neighbouring channels (``(x0, x1) -> (-x1, x0)``). The arithmetic is done in fp32
 and the result cast back to ``t``'s dtype, as TE's fused kernel does. ``fused`` is accepted and
-changes nothing (there is one implementation).
+changes nothing: which arithmetic runs is the kernel registry's choice (``kernels``, op ``rope``:
+a vendor's fused RoPE, else ``rope_torch``, the rotation written into one output, else
+``rope_reference``, the formula above over fp32 copies).
 
 Packed sequences (``tensor_format="thd"``, ``t`` ``[t, h, d]`` with ``cu_seqlens``, Megatron's
 ``fused_apply_rotary_pos_emb_thd``): every sequence's positions start at 0; with context parallelism
@@ -30,10 +32,11 @@ from typing import Any
 
 import torch
 
+from .kernels import kernel
 from .packed import cp_positions
 from .refuse import refuse, refuse_if
 
-__all__ = ["apply_rotary_pos_emb"]
+__all__ = ["apply_rotary_pos_emb", "rope_reference", "rope_torch"]
 
 
 def _rotate(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -92,7 +95,35 @@ def _rotated(t: torch.Tensor, f: torch.Tensor, interleaved: bool) -> torch.Tenso
     rot = f.shape[-1]
     if rot > t.shape[-1] or rot % 2:
         raise ValueError(f"rotary dimension {rot} does not fit the head dimension {t.shape[-1]}")
+    return kernel("rope")(t, f, interleaved=interleaved)
+
+
+def rope_reference(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """The ``rope`` contract as first written: ``x cos + rotate(x) sin`` over fp32 copies, concatenated."""
+    rot = freqs.shape[-1]
     x, rest = t[..., :rot], t[..., rot:]
     xf = x.float()
-    out = (xf * torch.cos(f) + _rotate(xf, interleaved) * torch.sin(f)).to(t.dtype)
+    out = (xf * torch.cos(freqs) + _rotate(xf, interleaved) * torch.sin(freqs)).to(t.dtype)
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def rope_torch(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """The ``rope`` contract written into one output: no rotated copy, no concatenation.
+
+    Each half (or each of the even / odd channels) is computed once as ``a cos - b sin`` /
+    ``b cos + a sin`` in fp32 and stored into its channels of ``out``; the pass-through channels are
+    copied once. Equal to ``rope_reference`` bit for bit (``a + (-b) s`` is ``a - b s`` in IEEE).
+    """
+    rot = freqs.shape[-1]
+    out = torch.empty_like(t)
+    if rot < t.shape[-1]:
+        out[..., rot:] = t[..., rot:]
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    if interleaved:
+        first, second = slice(0, rot, 2), slice(1, rot, 2)
+    else:
+        first, second = slice(0, rot // 2), slice(rot // 2, rot)
+    a, b = t[..., first].float(), t[..., second].float()
+    out[..., first] = a * cos[..., first] - b * sin[..., first]
+    out[..., second] = b * cos[..., second] + a * sin[..., second]
+    return out

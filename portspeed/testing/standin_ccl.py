@@ -89,6 +89,19 @@ class StandinProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"<StandinProcessGroup rank={self._rank} size={self._size}>"
 
+    def _get_backend(self, device: Any) -> Any:
+        """The backend for ``device``: this group itself, since a Python process group registers none.
+
+        Why: torch 2.14's ``batch_isend_irecv`` asks any ``ProcessGroup`` instance (2.13 asked
+        only torch's own class) for its backend, then reads ``supports_coalescing`` with a
+        default; the C++ lookup raises for a Python group. Answering ``self`` (no such
+        attribute) takes torch's one-op-at-a-time path, as 2.13 did.
+        """
+        try:
+            return super()._get_backend(device)
+        except RuntimeError:
+            return self
+
     # ------------------------------------------------------------------ checks
     def _check_op(self, opts: Any, what: str) -> Any:
         op = op_type(opts.reduceOp)

@@ -13,7 +13,8 @@ is selected by name (``PORTSPEED_ACCELERATOR=testdev``), or when a program impor
 
 Modules: ``runtime`` (registration), ``build`` (the C++ extension: ``python -m
 portspeed.testing.testdev build``), ``device_module`` (``torch.testdev``), ``ccl`` (the
-backend's registration), ``adapter`` (the portspeed adapter, an entry point).
+backend's registration), ``adapter`` (the portspeed adapter, an entry point), ``kernels`` (its
+vendor-slot kernel, ``rms_norm``; its fused attention is C++ only, ``csrc/fused.cpp``).
 """
 
 DEVICE_TYPE = "testdev"

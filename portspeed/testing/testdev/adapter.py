@@ -10,7 +10,7 @@ switch to it.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,3 +38,20 @@ class TestdevAccelerator(PrivateUse1Accelerator):
         groups_hold_host_threads=True,  # each testccl group owns a staging Gloo group (ccl.py)
         note="testccl, the test device's CCL, lacks this on purpose, like a vendor CCL",
     )
+
+    @classmethod
+    def kernels(cls) -> dict[str, Any]:
+        """One vendor kernel, to prove the slot on a device that is not the host: ``rms_norm``, a C++ operator of
+        the device (``kernels.py``, ``csrc/fused.cpp``). Named by import path: declaring it loads nothing.
+        (Its fused attention needs no declaration: it reaches torch's SDPA through the PrivateUse1 hooks.)"""
+        return {"rms_norm": "portspeed.testing.testdev.kernels:rms_norm"}
+
+    @classmethod
+    def vendor_build_missing(cls) -> str | None:
+        """What must be built before the runtime loads without compiling ("not built: ..."), or None.
+
+        Read by `portspeed info`, which loads no device runtime: a lookup of the build cache only.
+        """
+        from portspeed.testing.testdev.build import missing_build
+
+        return missing_build()

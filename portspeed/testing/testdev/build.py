@@ -9,7 +9,9 @@ cache is empty, so a fresh machine never needs a manual step.
 
 Where: ``PORTSPEED_TESTDEV_BUILD_DIR`` if set, else ``<sys.prefix>/var/portspeed-testdev/<tag>``
 (inside the virtual environment, so ``make clean`` removes it), else
-``~/.cache/portspeed/testdev/<tag>`` when the prefix is not writable.
+``~/.cache/portspeed/testdev/<tag>`` when the prefix is not writable. ``built()`` /
+``missing_build()`` answer whether a current build is there without creating or compiling
+anything (`portspeed info` asks them).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Iterator
 
-__all__ = ["EXTENSION_NAME", "SOURCES", "TestdevBuildError", "build_dir", "load_extension"]
+__all__ = ["BUILD_HINT", "EXTENSION_NAME", "SOURCES", "TestdevBuildError", "build_dir", "built", "load_extension",
+           "missing_build"]
 
 
 class TestdevBuildError(ImportError):
@@ -37,7 +40,7 @@ class TestdevBuildError(ImportError):
 
 EXTENSION_NAME = "portspeed_testdev_ext"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES: tuple[str, ...] = ("device.cpp", "memory.cpp", "kernels.cpp", "ccl.cpp", "module.cpp")
+SOURCES: tuple[str, ...] = ("device.cpp", "memory.cpp", "kernels.cpp", "ccl.cpp", "fused.cpp", "module.cpp")
 _CFLAGS: tuple[str, ...] = ("-O1", "-std=c++20")
 
 _loaded: ModuleType | None = None
@@ -49,10 +52,16 @@ def _tag() -> str:
     return f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.replace('+', '_')}"
 
 
+def _candidates() -> list[Path]:
+    env = os.environ.get("PORTSPEED_TESTDEV_BUILD_DIR")
+    if env:
+        return [Path(env)]
+    return [Path(sys.prefix) / "var" / "portspeed-testdev", Path.home() / ".cache" / "portspeed" / "testdev"]
+
+
 def build_dir() -> Path:
     """The cache folder of this Python and torch (created if missing)."""
-    env = os.environ.get("PORTSPEED_TESTDEV_BUILD_DIR")
-    candidates = [Path(env)] if env else [Path(sys.prefix) / "var" / "portspeed-testdev", Path.home() / ".cache" / "portspeed" / "testdev"]
+    candidates = _candidates()
     last_error: OSError | None = None
     for base in candidates:
         path = base / _tag()
@@ -77,6 +86,35 @@ def _fingerprint() -> str:
         h.update(name.encode() + b"\0" + (_CSRC / name).read_bytes())
     h.update(" ".join([*_CFLAGS, sys.version, torch.__version__, torch.__file__]).encode())
     return h.hexdigest()
+
+
+#: what to run when the build is missing or stale
+BUILD_HINT = "`make testdev` (python -m portspeed.testing.testdev build)"
+
+
+def built() -> Path | None:
+    """The built library that matches today's sources, flags, Python and torch; None if there is none.
+
+    A lookup only: it creates no folder and starts no compiler, so `portspeed info` can ask.
+    """
+    want = _fingerprint()
+    for base in _candidates():
+        folder = base / _tag()
+        library, stamp = folder / f"{EXTENSION_NAME}.so", folder / "fingerprint"
+        try:
+            if library.is_file() and stamp.is_file() and stamp.read_text() == want:
+                return library
+        except OSError:
+            continue
+    return None
+
+
+def missing_build() -> str | None:
+    """Why the runtime would compile before it loads ("not built: ...", naming what to run), or None when built."""
+    if built() is not None:
+        return None
+    stale = any((base / _tag() / f"{EXTENSION_NAME}.so").is_file() for base in _candidates())
+    return f"not built: {BUILD_HINT}" + (" (the build there predates the sources)" if stale else "")
 
 
 @contextlib.contextmanager

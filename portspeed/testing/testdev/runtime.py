@@ -29,7 +29,7 @@ from portspeed.testing.testdev import DEVICE_TYPE, device_module  # noqa: E402
 from portspeed.testing.testdev.build import load_extension  # noqa: E402
 from portspeed.testing.testdev.ccl import BACKEND_NAME, register_backend
 
-__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "extension", "load_seconds"]
+__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "counters", "extension", "load_seconds", "reset_counters"]
 
 
 def _register() -> object:
@@ -54,3 +54,18 @@ def _register() -> object:
 extension = _register()
 #: seconds this import took: building (when the cache was stale) or loading, and registering
 load_seconds = time.perf_counter() - _start
+
+
+def counters() -> dict[str, int]:
+    """How many times each of the device's own kernels ran in this process (csrc/fused.cpp), for tests.
+
+    ``sdpa_overrideable_fwd`` / ``_bwd``: its fused attention (torch's PrivateUse1 SDPA hook);
+    ``sdpa_choice_overrideable`` / ``sdpa_choice_math`` (``..._math_dropout``): what its
+    ``_fused_sdp_choice`` answered; ``rms_norm_fwd`` / ``_bwd``: its vendor-slot kernel.
+    """
+    return dict(extension.kernel_counters())
+
+
+def reset_counters() -> None:
+    """Set every kernel counter back to zero."""
+    extension.reset_kernel_counters()

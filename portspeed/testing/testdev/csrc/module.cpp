@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reset_peak_memory_stats",
         [](int index) { testdev::reset_peak_memory_stats(static_cast<c10::DeviceIndex>(index)); });
   m.def("is_pinned_ptr", [](uintptr_t ptr) { return testdev::is_pinned(reinterpret_cast<const void*>(ptr)); });
+  m.def("kernel_counters", &testdev::kernel_counters, "calls of the device's own fused kernels (fused.cpp)");
+  m.def("reset_kernel_counters", &testdev::reset_kernel_counters);
   m.def("create_backend", &testdev::create_backend, py::arg("gloo"), py::arg("rank"), py::arg("size"),
         "the testccl c10d backend, staging through the given Gloo backend");
 }

@@ -11,6 +11,7 @@
 //   memory.cpp  the device allocator (with statistics) and the pinned host allocator
 //   kernels.cpp factories, views, copies, the checked CPU fallback, random ops, autocast
 //   ccl.cpp     the collective backend "testccl" (staged through a Gloo process group)
+//   fused.cpp   its own fused kernels: attention through torch's SDPA hooks, rms_norm; call counters
 #pragma once
 
 #include <c10/core/Allocator.h>
@@ -41,5 +42,9 @@ c10::Allocator* pinned_allocator();
 bool is_pinned(const void* ptr);
 std::map<std::string, int64_t> memory_stats(c10::DeviceIndex index);
 void reset_peak_memory_stats(c10::DeviceIndex index);
+
+// ---- fused kernels (fused.cpp): how many times each ran in this process
+std::map<std::string, int64_t> kernel_counters();
+void reset_kernel_counters();
 
 }  // namespace testdev

@@ -1,0 +1,347 @@
+"""`portspeed why-hung DIR`: read every rank's flight-recorder dump and name, in one line, why the job hung.
+
+Why: a hung job leaves one dump per rank (``portspeed.comm.trace``, or torch's own flight
+recorder); the answer is in how the ranks' sequences of collectives stop agreeing, which is
+tedious to find by hand and easy to find by machine.
+
+Reads, in DIR: portspeed's dumps (``portspeed_trace_rank_<R>``), torch's (any pickle holding
+``entries`` and ``pg_config``, named ``<prefix><R>``), and for a rank with no dump its
+write-through file (``portspeed_last_calls_<R>.txt``: every call it issued, so a rank that
+died hard still shows its last one). Then, group by group, in this order, the first finding
+is the cause:
+
+1. at the lowest collective sequence number where the ranks disagree: another op (op
+   mismatch), other input sizes or dtypes (shape / dtype mismatch), another call site (a
+   desync: a rank skipped or added a collective and the backend paired the wrong calls);
+2. a point-to-point send with no matching receive (or a receive with no send, or the k-th
+   send and receive of a pair with other shapes);
+3. ranks that never issued collective #N that others issued (and their last entry);
+4. a straggler: one rank entered a collective ``STRAGGLER_S`` seconds or more after the rest;
+5. a rank of a group that left nothing to read.
+
+Exit status: 0 a cause was found, 1 the dumps show no divergence (it says so), 2 unreadable
+input (no folder, no dump, a dump that does not load).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import pickle
+import re
+import sys
+from typing import Any
+
+__all__ = ["Finding", "load", "analyse", "answer", "main", "STRAGGLER_S"]
+
+#: a rank that enters a collective this many seconds after the rest is named a straggler
+STRAGGLER_S = 2.0
+#: collectives whose inputs must be alike on every rank (gather / scatter / all_to_all_single differ by design)
+_UNIFORM = {"all_reduce", "reduce", "broadcast", "all_gather", "_all_gather_base", "reduce_scatter",
+            "_reduce_scatter_base", "all_gather_single", "reduce_scatter_single", "barrier"}
+_TRAILING_RANK = re.compile(r"(\d+)$")
+#: portspeed.comm.trace.WRITE_THROUGH_FIELDS (not imported: reading dumps needs no torch)
+_THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", "p2p_seq_id", "profiling_name",
+                   "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "time_created_ns", "is_p2p",
+                   "ps_peer", "ps_ranks", "ps_op", "frame_name", "frame_filename", "frame_line")
+
+
+class Unreadable(Exception):
+    """The folder or a dump in it cannot be read."""
+
+
+@dataclasses.dataclass
+class Finding:
+    """The cause (one line) and the evidence (lines); ``found`` False when nothing diverged."""
+
+    cause: str
+    evidence: list[str]
+    found: bool = True
+
+
+# ---------------------------------------------------------------------- reading
+def _op(e: dict) -> str:
+    name = str(e.get("profiling_name", "?"))
+    return name.split(":", 1)[-1].split(" ")[0]
+
+
+def _site(e: dict) -> str:
+    frames = e.get("frames") or []
+    if not frames:
+        return "?"
+    f = frames[0]
+    return f"{os.path.basename(str(f.get('filename', '?')))}:{f.get('line', '?')}"
+
+
+def _ranks_of(cfg: dict, name: str) -> list[int]:
+    try:
+        return list(ast.literal_eval(str(cfg.get(name, {}).get("ranks", "[]"))))
+    except (ValueError, SyntaxError):
+        return []
+
+
+def load(folder: str) -> dict[int, dict]:
+    """rank -> {"entries", "pg_config", "reason", "source"}; raises Unreadable."""
+    if not os.path.isdir(folder):
+        raise Unreadable(f"{folder!r} is not a folder; give the folder the ranks dumped to (PORTSPEED_TRACE_DIR, "
+                         "or the one `portspeed run` named)")
+    dumps: dict[int, dict] = {}
+    through: dict[int, dict] = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path) or ".tmp" in name or name.endswith(".beat"):
+            continue
+        if name.startswith("portspeed_last_calls_") and name.endswith(".txt"):
+            rank = int(name[len("portspeed_last_calls_"):-len(".txt")])
+            by_id: dict = {}
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    e = _through_entry(line)
+                    if e is not None:  # None: a line cut by the rank's death
+                        by_id[e["record_id"]] = e
+            through[rank] = {"entries": list(by_id.values()), "pg_config": {}, "reason": "write-through (no dump)",
+                             "source": name}
+            continue
+        m = _TRAILING_RANK.search(name)
+        if not m:
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = pickle.load(f)
+            entries, cfg = data["entries"], data["pg_config"]
+        except Exception as exc:
+            raise Unreadable(f"{path}: not a flight-recorder dump ({type(exc).__name__}: {exc})") from None
+        rank = int(data.get("ps_rank", m.group(1)))
+        dumps[rank] = {"entries": list(entries), "pg_config": dict(cfg), "reason": data.get("ps_reason", "torch dump"),
+                       "source": name}
+    for rank, d in through.items():
+        dumps.setdefault(rank, d)
+    if not dumps:
+        raise Unreadable(f"{folder!r} holds no flight-recorder dump (portspeed_trace_rank_<R>, torch's <prefix><R>, "
+                         "or portspeed_last_calls_<R>.txt); was PORTSPEED_TRACE on?")
+    return dumps
+
+
+def _through_entry(line: str) -> dict | None:
+    """A write-through line (``portspeed.comm.trace.WRITE_THROUGH_FIELDS``) as a dump entry."""
+    try:
+        values = ast.literal_eval(line.strip())
+        e = dict(zip(_THROUGH_FIELDS, values, strict=True))
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return None
+    e["process_group"] = (e.pop("pg_name"), e.pop("pg_desc"))
+    e["frames"] = [{"name": e.pop("frame_name"), "filename": e.pop("frame_filename"), "line": e.pop("frame_line")}]
+    e["state"] = "issued (write-through)"
+    return e
+
+
+# ---------------------------------------------------------------------- analysis
+def _group_of(e: dict, cfgs: dict[int, dict]) -> tuple[str, str, tuple[int, ...]]:
+    name, desc = (list(e.get("process_group") or ("?", "")) + [""])[:2]
+    ranks = e.get("ps_ranks")
+    if not ranks:
+        for cfg in cfgs.values():
+            ranks = _ranks_of(cfg, name)
+            if ranks:
+                break
+    return str(name), str(desc), tuple(ranks or ())
+
+
+def _gname(name: str, desc: str) -> str:
+    return f"group {name}" + (f" ({desc})" if desc else "")
+
+
+def _peer(e: dict, ranks: tuple[int, ...]) -> int:
+    if isinstance(e.get("ps_peer"), int) and e["ps_peer"] >= 0:
+        return e["ps_peer"]
+    m = re.search(r"(\d+)(?:->|<-)(\d+)$", str(e.get("profiling_name", "")))
+    if not m:
+        return -1
+    local = int(m.group(2))
+    return ranks[local] if local < len(ranks) else local
+
+
+def _describe(e: dict | None) -> str:
+    if e is None:
+        return "nothing recorded"
+    kind = f"p2p #{e.get('p2p_seq_id')}" if e.get("is_p2p") else f"collective #{e.get('collective_seq_id')}"
+    state = e.get("state", "?")
+    return f"{_op(e)} ({kind} of group {(e.get('process_group') or ['?'])[0]}) at {_site(e)}, {state}"
+
+
+def analyse(dumps: dict[int, dict]) -> Finding:
+    """The first divergence in ``dumps`` (rank -> {"entries", "pg_config"}), or a Finding with found=False."""
+    cfgs = {r: d.get("pg_config", {}) for r, d in dumps.items()}
+    last = {r: (d["entries"][-1] if d["entries"] else None) for r, d in dumps.items()}
+    colls: dict[tuple, dict[int, dict[int, dict]]] = {}  # group -> rank -> seq -> entry
+    p2p: dict[tuple, dict[tuple[int, int], dict[str, list]]] = {}  # group -> (src, dst) -> send/recv entries
+    members: set[int] = set()
+    for r, d in dumps.items():
+        for e in d["entries"]:
+            g = _group_of(e, cfgs)
+            members.update(g[2])
+            if e.get("is_p2p") or _op(e) in ("send", "recv"):
+                peer = _peer(e, g[2])
+                pair = (r, peer) if _op(e) == "send" else (peer, r)
+                p2p.setdefault(g, {}).setdefault(pair, {"send": [], "recv": []})[_op(e)].append(e)
+            else:
+                colls.setdefault(g, {}).setdefault(r, {})[int(e.get("collective_seq_id", 0))] = e
+    for g, by_rank in colls.items():
+        found = _diverged(g, by_rank, last)
+        if found:
+            return found
+    for g, pairs in p2p.items():  # before the collectives a rank stuck in a send never reached
+        found = _p2p(g, pairs, last)
+        if found:
+            return found
+    for g, by_rank in colls.items():
+        found = _never_issued(g, by_rank, dumps, last)
+        if found:
+            return found
+    for g, by_rank in colls.items():
+        found = _straggler(g, by_rank)
+        if found:
+            return found
+    absent = sorted(members - set(dumps))
+    if absent:
+        return Finding(f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} left no dump and no "
+                       "write-through file: dead before recording anything, or run without PORTSPEED_TRACE",
+                       [f"rank {r}: last entry {_describe(last[r])} ({dumps[r]['reason']})" for r in sorted(dumps)])
+    total = sum(len(d["entries"]) for d in dumps.values())
+    return Finding("no divergence: every rank issued the same collectives in the same order, with the same shapes, "
+                   "from the same call sites", [f"{len(dumps)} ranks, {total} entries read"], found=False)
+
+
+def _diverged(g: tuple, by_rank: dict[int, dict[int, dict]], last: dict) -> Finding | None:
+    name, desc, _ = g
+    common = sorted(set.intersection(*(set(s) for s in by_rank.values()))) if len(by_rank) > 1 else []
+    for seq in common:
+        at = {r: by_rank[r][seq] for r in sorted(by_rank)}
+        for what, key in (("op mismatch", _op), ("shape/dtype mismatch", _shape), ("desync", _site)):
+            values = {r: key(e) for r, e in at.items()}
+            if len(set(values.values())) < 2 or (what == "shape/dtype mismatch" and _op(at[min(at)]) not in _UNIFORM):
+                continue
+            odd = _odd_one(values, by_rank)
+            e = at[odd]
+            where = f"collective #{seq} of {_gname(name, desc)}"
+            if what == "desync":
+                cause = (f"desync: rank {odd} issued {_op(e)} {where} from {_site(e)}, the others from "
+                         f"{', '.join(sorted({v for r, v in values.items() if r != odd}))}: a rank skipped or added a "
+                         "collective before it, and the backend paired the wrong calls")
+            else:
+                cause = (f"{what}: rank {odd} issued {_op(e)} {_shape(e) if what != 'op mismatch' else ''}"
+                         f"{' ' if what != 'op mismatch' else ''}as {where} at {_site(e)}; the others "
+                         + ", ".join(f"rank {r} {_op(x)} {_shape(x)} at {_site(x)}" for r, x in at.items() if r != odd))
+            evidence = [f"rank {r}: #{seq} {_op(x)} {_shape(x)} at {_site(x)}, {x.get('state')}" for r, x in at.items()]
+            evidence += [f"rank {r}: issued up to #{max(s)} of {_gname(name, desc)}; last entry {_describe(last[r])}"
+                         for r, s in sorted(by_rank.items())]
+            return Finding(cause, evidence)
+    return None
+
+
+def _shape(e: dict) -> str:
+    return f"in {e.get('input_sizes')} {e.get('input_dtypes')} out {e.get('output_sizes')} {e.get('output_dtypes')}"
+
+
+def _odd_one(values: dict[int, Any], by_rank: dict[int, dict]) -> int:
+    """The rank in the minority; on a tie the one that issued fewest collectives (it skipped one)."""
+    count: dict[Any, int] = {}
+    for v in values.values():
+        count[v] = count.get(v, 0) + 1
+    return min(values, key=lambda r: (count[values[r]], max(by_rank[r]), -r))
+
+
+def _never_issued(g: tuple, by_rank: dict[int, dict[int, dict]], dumps: dict, last: dict) -> Finding | None:
+    name, desc, ranks = g
+    tops = {r: max(s) for r, s in by_rank.items()}
+    for r in ranks:  # a member with a dump but no collective of this group at all
+        if r in dumps and r not in tops:
+            tops[r] = 0
+    if len(set(tops.values())) < 2:
+        return None
+    high = max(tops.values())
+    behind = sorted(r for r, t in tops.items() if t < high)
+    ahead = min(r for r, t in tops.items() if t == high)
+    n = min(tops[r] for r in behind) + 1
+    e = by_rank[ahead].get(n) or by_rank[ahead][high]
+    cause = (f"rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} never issued collective #{n} of "
+             f"{_gname(name, desc)}: {_op(e)} at {_site(e)}, which rank {ahead} issued and waits in")
+    evidence = [f"rank {r}: issued up to #{t} of {_gname(name, desc)}; last entry {_describe(last.get(r))}"
+                for r, t in sorted(tops.items())]
+    return Finding(cause, evidence)
+
+
+def _p2p(g: tuple, pairs: dict[tuple[int, int], dict[str, list]], last: dict) -> Finding | None:
+    name, desc, _ = g
+    for (src, dst), ops in sorted(pairs.items()):
+        sends, recvs = ops["send"], ops["recv"]
+        for k, (s, r) in enumerate(zip(sends, recvs)):
+            if s.get("input_sizes") != r.get("output_sizes") or s.get("input_dtypes") != r.get("output_dtypes"):
+                return Finding(
+                    f"point-to-point shape mismatch in {_gname(name, desc)}: send #{k + 1} from rank {src} to rank "
+                    f"{dst} carries {s.get('input_sizes')} {s.get('input_dtypes')} (at {_site(s)}), rank {dst} "
+                    f"receives {r.get('output_sizes')} {r.get('output_dtypes')} (at {_site(r)})",
+                    [f"rank {x}: last entry {_describe(last.get(x))}" for x in (src, dst)])
+        if len(sends) != len(recvs):
+            more, kind, who, other = (sends, "send", src, dst) if len(sends) > len(recvs) else (recvs, "recv", dst, src)
+            e = more[min(len(sends), len(recvs))]
+            verb = f"send to rank {dst} with no matching recv on rank {dst}" if kind == "send" else \
+                f"recv from rank {src} with no matching send on rank {src}"
+            return Finding(
+                f"point-to-point: rank {who} issued a {verb}: {_op(e)} {e.get('input_sizes')} "
+                f"{e.get('input_dtypes')} (p2p #{e.get('p2p_seq_id')} of {_gname(name, desc)}) at {_site(e)}, {e.get('state')}",
+                [f"rank {src} sent {len(sends)}, rank {dst} received {len(recvs)} in {_gname(name, desc)}"]
+                + [f"rank {x}: last entry {_describe(last.get(x))}" for x in (who, other)])
+    return None
+
+
+def _straggler(g: tuple, by_rank: dict[int, dict[int, dict]]) -> Finding | None:
+    name, desc, _ = g
+    if len(by_rank) < 2:
+        return None
+    worst: tuple[float, int, int] | None = None
+    for seq in set.intersection(*(set(s) for s in by_rank.values())):
+        times = {r: by_rank[r][seq].get("time_created_ns") for r in by_rank}
+        if any(not isinstance(t, int) for t in times.values()):
+            continue
+        late = max(times, key=times.__getitem__)
+        gap = (times[late] - max(t for r, t in times.items() if r != late)) / 1e9
+        if worst is None or gap > worst[0]:
+            worst = (gap, late, seq)
+    if worst is None or worst[0] < STRAGGLER_S:
+        return None
+    gap, late, seq = worst
+    e = by_rank[late][seq]
+    return Finding(f"straggler: rank {late} entered collective #{seq} of {_gname(name, desc)} ({_op(e)} at {_site(e)}) "
+                   f"{gap:.1f} s after the other ranks", [f"rank {r}: #{seq} entered at "
+                                                         f"{by_rank[r][seq]['time_created_ns'] / 1e9:.3f}"
+                                                         for r in sorted(by_rank)])
+
+
+# ---------------------------------------------------------------------- the command
+def answer(folder: str) -> tuple[int, list[str]]:
+    """(exit status, lines): the cause first, then the evidence."""
+    try:
+        dumps = load(folder)
+    except (Unreadable, OSError) as exc:
+        return 2, [f"portspeed why-hung: error: {exc}"]
+    f = analyse(dumps)
+    reasons = ", ".join(f"rank {r}: {d['reason']}" for r, d in sorted(dumps.items()))
+    return (0 if f.found else 1), [f.cause, *[f"  {x}" for x in f.evidence], f"  dumps: {reasons}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``portspeed why-hung DIR``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: portspeed why-hung DIR  (the folder the ranks' flight-recorder dumps are in)",
+              file=sys.stderr)
+        return 0 if argv in (["-h"], ["--help"]) else 2
+    code, lines = answer(argv[0])
+    print("\n".join(lines), file=sys.stderr if code == 2 else sys.stdout)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""A flight recorder for every backend: each rank's last collectives and point-to-point calls, dumped on a hang.
+
+Why: a hung job otherwise waits for the collective timeout and dies with a backend error that
+names neither the rank that diverged nor the collective it skipped. torch's own flight
+recorder covers NCCL; on Gloo (torch 2.13) it records collectives only, with no times and
+the state stuck at "scheduled", and vendor CCLs, the stand-in and testccl get nothing. So
+portspeed records, in torch's dump format (``torch.distributed.flight_recorder`` reads it),
+every call that passes through ``torch.distributed``'s collectives and point-to-point
+functions, in a bounded ring buffer per rank (``PORTSPEED_TRACE=N`` entries; 0: off).
+
+Contract
+- Observation only: the recorded call gets the caller's own arguments and its result or
+  error is handed back untouched; nothing here changes what a collective computes or when
+  it completes. A call made inside a recorded one (a rewrite, ``batch_isend_irecv``'s own
+  ``isend``) is not recorded twice.
+- Off (the default): the patches are not installed at all (``patches/torch_distributed.py``),
+  so the routed hot path is the router's, unchanged. On: one plain-function frame in front
+  of the routed function (docs/benchmarks.md, "Recording").
+- Entries carry torch's fields (``record_id``, ``process_group`` (name, desc),
+  ``collective_seq_id``, ``p2p_seq_id``, ``profiling_name`` ``"<backend>:<op>"``, input /
+  output sizes and dtypes, ``frames`` (the caller first), ``time_created_ns``,
+  ``time_discovered_completed_ns``, ``state`` scheduled / completed), plus ``ps_*`` fields of
+  portspeed's own (the torch function called, the global peer of a point-to-point call, the
+  device, whether it was asynchronous, the error that ended it).
+- Dumps (``dump``): on SIGUSR1 (read by a thread from the signal's wakeup pipe, so a main
+  thread blocked inside a collective still dumps), on SIGTERM (the launcher stopping the
+  rank: it dumps, then dies of SIGTERM as before), on an exception that ends the rank, when
+  a recorded call raises, when one call stays in flight longer than ``PORTSPEED_TIMEOUT``,
+  and at exit with ``PORTSPEED_TRACE_ON_EXIT=1`` (``portspeed.comm.trace_triggers``). Each writes
+  ``<dir>/portspeed_trace_rank_<R>`` (a pickle, as torch's dumps) atomically.
+- Write-through: each issued entry is also appended, one line (the repr of a tuple of its
+  main fields, ``WRITE_THROUGH_FIELDS``), to ``<dir>/portspeed_last_calls_<R>.txt`` (one
+  ``os.write``, no flush needed: the kernel keeps it when the process dies), so a rank killed
+  hard still shows its last call.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+__all__ = ["OPS", "Recorder", "recorder", "enabled", "traced", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX", "WRITE_THROUGH_PREFIX",
+           "HANG_ENV"]
+
+log = logging.getLogger("portspeed.trace")
+
+#: dump files: ``<prefix><rank>`` (torch's loader infers the prefix from the trailing rank)
+DUMP_PREFIX = "portspeed_trace_rank_"
+#: write-through files ``<prefix><rank>.txt`` (named so torch's loader, which reads ``*<digits>``, skips them)
+WRITE_THROUGH_PREFIX = "portspeed_last_calls_"
+#: the fields of a write-through line, in order (frame_*: the caller's frame)
+WRITE_THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", "p2p_seq_id", "profiling_name",
+                        "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "time_created_ns", "is_p2p",
+                        "ps_peer", "ps_ranks", "ps_op", "frame_name", "frame_filename", "frame_line")
+#: heartbeat files ``<prefix><rank>.beat`` for `portspeed run --hang-timeout`: mtime = the rank's last completion
+PROGRESS_PREFIX = "portspeed_progress_"
+#: set by `portspeed run --hang-timeout`: the workers keep their heartbeat files
+HANG_ENV = "PORTSPEED_RUN_HANG_TIMEOUT"
+#: the dump format's version (torch 2.13's flight recorder writes "2.10")
+VERSION = "2.10"
+
+# name -> (input position, input keyword, output position, output keyword, group position,
+#          peer position, peer keyword, flight-recorder op name); -1: none
+OPS: dict[str, tuple[int, str, int, str, int, int, str, str]] = {
+    "all_reduce": (0, "tensor", 0, "tensor", 2, -1, "", "all_reduce"),
+    "reduce": (0, "tensor", 0, "tensor", 3, -1, "", "reduce"),
+    "reduce_scatter_tensor": (1, "input", 0, "output", 3, -1, "", "_reduce_scatter_base"),
+    "reduce_scatter_single": (1, "input", 0, "output", 3, -1, "", "_reduce_scatter_base"),
+    "reduce_scatter": (1, "input_list", 0, "output", 3, -1, "", "reduce_scatter"),
+    "all_to_all": (1, "input_tensor_list", 0, "output_tensor_list", 2, -1, "", "all_to_all"),
+    "all_gather_into_tensor": (1, "input_tensor", 0, "output_tensor", 2, -1, "", "_all_gather_base"),
+    "all_gather_single": (1, "input_tensor", 0, "output_tensor", 2, -1, "", "_all_gather_base"),
+    "broadcast": (0, "tensor", 0, "tensor", 2, -1, "", "broadcast"),
+    "barrier": (-1, "", -1, "", 0, -1, "", "barrier"),
+    "all_gather": (1, "tensor", 0, "tensor_list", 2, -1, "", "all_gather"),
+    "gather": (0, "tensor", 1, "gather_list", 3, -1, "", "gather"),
+    "scatter": (1, "scatter_list", 0, "tensor", 3, -1, "", "scatter"),
+    "all_to_all_single": (1, "input", 0, "output", 4, -1, "", "all_to_all_single"),
+    "send": (0, "tensor", 0, "tensor", 2, 1, "dst", "send"),  # p2p: torch records the tensor as both
+    "isend": (0, "tensor", 0, "tensor", 2, 1, "dst", "send"),
+    "recv": (0, "tensor", 0, "tensor", 2, 1, "src", "recv"),
+    "irecv": (0, "tensor", 0, "tensor", 2, 1, "src", "recv"),
+}
+
+#: c10 scalar type names, as torch's dumps spell dtypes
+_DTYPES = {"float32": "Float", "float16": "Half", "bfloat16": "BFloat16", "float64": "Double", "int64": "Long",
+           "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool"}
+_FRAMES = 4  # caller frames kept per entry
+
+
+def _sizes(x: Any) -> tuple[list, list]:
+    if x is None:
+        return [], []
+    if isinstance(x, (list, tuple)):
+        return [list(t.shape) for t in x], [_DTYPES.get(str(t.dtype)[6:], str(t.dtype)) for t in x]
+    return [list(x.shape)], [_DTYPES.get(str(x.dtype)[6:], str(x.dtype))]
+
+
+def _device(x: Any) -> str:
+    if isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    return str(x.device) if x is not None and hasattr(x, "device") else ""
+
+
+class Recorder:
+    """One rank's ring buffer, its per-group sequence numbers, and the files it writes."""
+
+    def __init__(self, size: int, folder: str | None = None, timeout_s: float = 300.0) -> None:
+        self.entries: collections.deque = collections.deque(maxlen=size)
+        self.busy = False  # inside a recorded call: nested calls are not recorded
+        self.record_id = 0
+        self.groups: dict[Any, list] = {}  # group -> [name, desc, ranks, coll seq, p2p seq, backend]
+        self.folder = folder
+        self.timeout_s = timeout_s
+        self.last_done_ns = time.time_ns()
+        self.in_flight: dict | None = None  # the synchronous call under way
+        self._wt_fd: int | None = None
+        self._dumped_for: str | None = None
+
+    # ------------------------------------------------------------------ groups
+    def _group(self, group: Any) -> list:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        pg = group if group is not None else c10d.GroupMember.WORLD
+        g = self.groups.get(pg)
+        if g is None:
+            try:
+                name = c10d._get_process_group_name(pg)
+                ranks = dist.get_process_group_ranks(pg)
+                desc = getattr(pg, "group_desc", "") or ("default_pg" if group is None else "")
+                backend = str(dist.get_backend(pg))
+            except Exception:  # not initialised, or a group torch does not know: recorded as such
+                name, ranks, desc, backend = "?", [], "", "gloo"
+            g = [name, desc, ranks, 0, 0, backend.split(":")[-1]]
+            self.groups[pg] = g
+        return g
+
+    def forget_groups(self) -> None:
+        """A destroyed group's sequence numbers must not carry over to a new group at the same address."""
+        self.groups.clear()
+
+    # ------------------------------------------------------------------ entries
+    def issue(self, name: str, args: tuple, kwargs: dict) -> dict:
+        """Record a call about to be made (state "scheduled"); mark this recorder busy."""
+        self.busy = True
+        ip, ik, op_, ok, gp, pp, pk, fr = OPS[name]
+        n = len(args)
+        g = self._group(args[gp] if n > gp else kwargs.get("group"))
+        x = (args[ip] if n > ip else kwargs.get(ik)) if ip >= 0 else None
+        y = (args[op_] if n > op_ else kwargs.get(ok)) if op_ >= 0 else None
+        ins, idt = _sizes(x)
+        outs, odt = (ins, idt) if y is x else _sizes(y)
+        self.record_id += 1
+        if pp >= 0:
+            g[4] += 1
+            peer = args[pp] if n > pp else kwargs.get(pk)
+            if peer is None:  # group_dst / group_src: a rank of the group
+                local = kwargs.get("group_" + pk, -1)
+                peer = g[2][local] if 0 <= local < len(g[2]) else -1
+            me, there = self._local(g, None), self._local(g, peer)
+            prof = f"{g[5]}:{fr} {me}->{there}" if fr == "send" else f"{g[5]}:{fr} {me}<-{there}"
+        else:
+            g[3] += 1
+            peer = -1
+            prof = f"{g[5]}:{fr}"
+        frames, f = [], sys._getframe(2)
+        while f is not None and len(frames) < _FRAMES:
+            code = f.f_code
+            frames.append({"name": code.co_name, "filename": code.co_filename, "line": f.f_lineno})
+            f = f.f_back
+        e = {"record_id": self.record_id, "pg_id": 0, "process_group": (g[0], g[1]), "collective_seq_id": g[3],
+             "p2p_seq_id": g[4], "op_id": self.record_id, "profiling_name": prof, "time_created_ns": time.time_ns(),
+             "input_sizes": ins, "input_dtypes": idt, "output_sizes": outs, "output_dtypes": odt,
+             "state": "scheduled", "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
+             "retired": False, "timeout_ms": int(self.timeout_s * 1000), "is_p2p": pp >= 0, "frames": frames,
+             "ps_op": name, "ps_peer": peer, "ps_device": _device(x if x is not None else y), "ps_async": False,
+             "ps_ranks": g[2]}
+        self.entries.append(e)
+        self.in_flight = e
+        if self._wt_fd is not None:
+            self._write_through(e)
+        return e
+
+    def _local(self, g: list, rank: int | None) -> int:
+        if rank is None:
+            rank = _rank()
+        try:
+            return g[2].index(rank)
+        except ValueError:
+            return rank
+
+    def done(self, e: dict, out: Any) -> None:
+        """The call returned: synchronous -> completed; a Work -> completed when its future is."""
+        self.busy = False
+        self.in_flight = None
+        if out is None or isinstance(out, (bool, int)):
+            e["state"] = "completed"
+            e["time_discovered_completed_ns"] = self.last_done_ns = time.time_ns()
+            e["retired"] = True
+            return
+        e["ps_async"] = True
+        works = out if isinstance(out, list) else [out]
+        for w in works:
+            try:
+                w.get_future().add_done_callback(lambda _f, e=e: self._completed(e))
+            except Exception:  # a Work without a future: its completion is not seen
+                pass
+
+    def _completed(self, e: dict) -> None:
+        e["state"] = "completed"
+        e["time_discovered_completed_ns"] = self.last_done_ns = time.time_ns()
+        e["retired"] = True
+
+    def fail(self, e: dict, error: BaseException) -> None:
+        """The call raised (a backend timeout, a peer gone): keep the error and dump now."""
+        self.busy = False
+        self.in_flight = None
+        e["ps_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        self.dump(f"{e['ps_op']} raised {type(error).__name__}")
+
+    # ------------------------------------------------------------------ files
+    def folder_now(self) -> str:
+        """The dump folder, created on first use and named once in the log."""
+        if self.folder is None:
+            tag = os.environ.get("MASTER_PORT") or str(os.getpid())
+            self.folder = os.path.join(tempfile.gettempdir(), f"portspeed-trace-{os.getuid()}-{tag}")
+        if not os.path.isdir(self.folder):
+            os.makedirs(self.folder, exist_ok=True)
+            log.warning("portspeed trace: dumps go to %s", self.folder)
+        return self.folder
+
+    def start_write_through(self) -> None:
+        path = os.path.join(self.folder_now(), f"{WRITE_THROUGH_PREFIX}{_rank()}.txt")
+        self._wt_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _write_through(self, e: dict) -> None:
+        """One line per issued call: the repr of a tuple (``WRITE_THROUGH_FIELDS``; repr is C-fast, json is not)."""
+        f = e["frames"][0] if e["frames"] else {"name": "?", "filename": "?", "line": 0}
+        pg = e["process_group"]
+        line = repr((e["record_id"], pg[0], pg[1], e["collective_seq_id"], e["p2p_seq_id"], e["profiling_name"],
+                     e["input_sizes"], e["input_dtypes"], e["output_sizes"], e["output_dtypes"], e["time_created_ns"],
+                     e["is_p2p"], e["ps_peer"], e["ps_ranks"], e["ps_op"], f["name"], f["filename"], f["line"]))
+        try:
+            os.write(self._wt_fd, (line + "\n").encode())
+        except OSError:
+            self._wt_fd = None
+
+    def dump(self, reason: str) -> str | None:
+        """Write this rank's buffer as torch's flight recorder would (a pickle); return the path."""
+        try:
+            rank = _rank()
+            entries = [dict(e) for e in list(self.entries)]
+            pg_config = {g[0]: {"name": g[0], "desc": g[1], "ranks": str(list(g[2]))} for g in list(self.groups.values())}
+            data = {"version": VERSION, "pg_config": pg_config, "pg_status": {}, "comm_lib_version": "",
+                    "entries": entries, "ps_rank": rank, "ps_reason": reason, "ps_time_ns": time.time_ns(),
+                    "ps_pid": os.getpid(), "ps_host": socket.gethostname(),
+                    "ps_last_done_ns": self.last_done_ns}
+            folder = self.folder_now()
+            path = os.path.join(folder, f"{DUMP_PREFIX}{rank}")
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                pickle.dump(data, f)
+            os.replace(tmp, path)
+            self._dumped_for = reason
+            print(f"portspeed trace: rank {rank} dumped {len(entries)} entries ({reason}) to {path}",
+                  file=sys.stderr, flush=True)
+            return path
+        except Exception as exc:  # a dump must never end the rank itself
+            print(f"portspeed trace: dump failed: {exc}", file=sys.stderr, flush=True)
+            return None
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return dist.get_rank()
+    except Exception:
+        pass
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+_recorder: Recorder | None = None
+
+
+def enabled() -> bool:
+    """Whether PORTSPEED_TRACE asks for recording (read from portspeed's settings)."""
+    from portspeed import config
+
+    return config.settings().trace > 0
+
+
+def recorder() -> Recorder | None:
+    """This process's recorder, started on first use when tracing is on (None when off)."""
+    global _recorder
+    if _recorder is None and enabled():
+        from portspeed import config
+
+        s = config.settings()
+        _recorder = Recorder(s.trace, s.trace_dir, s.timeout)
+        from portspeed.comm.trace_triggers import install
+
+        install(_recorder, s.trace_on_exit)
+    return _recorder
+
+
+def dump(reason: str = "asked") -> str | None:
+    """Dump this rank's buffer now (None when tracing is off)."""
+    rec = _recorder
+    return rec.dump(reason) if rec is not None else None
+
+
+def trace_dir() -> str | None:
+    rec = _recorder
+    return rec.folder_now() if rec is not None else None
+
+
+# ---------------------------------------------------------------------- the wrappers
+def traced(name: str, route: Callable[[Callable], Callable] | None = None) -> Callable[[Callable], Callable]:
+    """A factory ``make(original) -> recorded`` (``style="function"``): records ``name`` around ``route(original)``
+    (the router's function) or ``original`` itself."""
+    import torch
+
+    compiling = torch.compiler.is_dynamo_compiling
+
+    def make(original: Callable) -> Callable:
+        inner = route(original) if route is not None else original
+        rec = recorder()
+        if rec is None:
+            return inner
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if rec.busy or compiling():
+                return inner(*args, **kwargs)
+            try:
+                e = rec.issue(name, args, kwargs)
+            except Exception:  # arguments torch itself will refuse (not tensors...): its error, not ours
+                rec.busy = False
+                return inner(*args, **kwargs)
+            try:
+                out = inner(*args, **kwargs)
+            except BaseException as error:
+                rec.fail(e, error)
+                raise
+            rec.done(e, out)
+            return out
+
+        recorded.__name__ = recorded.__qualname__ = getattr(original, "__name__", name)
+        recorded.__doc__ = f"torch.distributed.{name}, recorded by portspeed.comm.trace.\n\n" + (original.__doc__ or "")
+        recorded.__wrapped__ = original  # type: ignore[attr-defined]
+        return recorded
+
+    make.__name__ = make.__qualname__ = f"trace_{name}"
+    return make
+
+
+def traced_batch(original: Callable) -> Callable:
+    """``batch_isend_irecv``: one entry per operation of the batch (send or recv, with its peer)."""
+    rec = recorder()
+    if rec is None:
+        return original
+
+    def recorded(p2p_op_list: list) -> Any:
+        if rec.busy:
+            return original(p2p_op_list)
+        issued = []
+        try:
+            for p in p2p_op_list:
+                kind = "isend" if "send" in getattr(p.op, "__name__", "") else "irecv"
+                issued.append(rec.issue(kind, (p.tensor, p.peer, p.group), {}))
+        except Exception:  # not P2POps: torch's own check answers the call
+            rec.busy = False
+            return original(p2p_op_list)
+        rec.busy = True
+        try:
+            works = original(p2p_op_list)
+        except BaseException as error:
+            rec.fail(issued[-1] if issued else {"ps_op": "batch_isend_irecv"}, error)
+            raise
+        rec.busy = False
+        rec.in_flight = None
+        for e, w in zip(issued, works or []):
+            rec.done(e, w)
+        return works
+
+    recorded.__name__ = recorded.__qualname__ = "batch_isend_irecv"
+    recorded.__doc__ = original.__doc__
+    recorded.__wrapped__ = original  # type: ignore[attr-defined]
+    return recorded

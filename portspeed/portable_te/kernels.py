@@ -1,0 +1,257 @@
+"""One table of operations: which kernel serves each of the portable Transformer Engine's fused operations.
+
+Why: the portable TE must be fast on any device without knowing any device. Each operation of the
+vendor kernel slot (``portspeed.accelerator.kernel_ops``: attention and its log-sum-exp forms,
+rms_norm, layer_norm, rope, swiglu, grouped_mm) has up to three implementations, tried in order:
+
+- ``vendor``: the active adapter's own kernel, declared by ``Accelerator.kernels()`` (checked against
+  the contract at activation; an import path is imported, and checked, here at first use);
+- ``torch``: torch's fused operator (``F.scaled_dot_product_attention``, ``F.rms_norm``,
+  ``F.grouped_mm`` ...), which reaches a vendor kernel registered with torch's dispatcher; chosen only
+  where torch has it (and, for ``grouped_mm``, where the adapter declares ``has_grouped_mm``);
+- ``reference``: the plain arithmetic the portable TE always had: the fallback and the oracle
+  (``portspeed conformance`` compares every vendor kernel with it).
+
+``PORTSPEED_TE_KERNELS`` moves where the preference starts (``reference`` for every op, or
+``attention=torch,rms_norm=reference``); a forced choice that is unavailable falls back to the next
+one, with a warning, rather than refusing (one value must work for every op of every adapter).
+
+The choice is made once per operation per process (and again only after the active adapter changes
+or ``reset()``), logged once on the ``portspeed`` logger; ``kernel(op)`` is then one dict lookup.
+Implementations are named by import path and imported at first use, so this module imports none of
+them (``norms``, ``rope``, ``grouped`` and ``sdpa`` import it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from portspeed import config
+from portspeed.accelerator import selection
+from portspeed.accelerator.kernel_ops import KERNEL_OPS, resolve_kernel
+
+__all__ = ["Choice", "IMPLS", "TABLE", "kernel", "choice", "choices", "plan", "reset", "import_path"]
+
+log = logging.getLogger("portspeed")
+
+IMPLS = config.TE_KERNEL_IMPLS  # ("vendor", "torch", "reference")
+_SDPA = "portspeed.portable_te.sdpa"
+
+
+class Choice(NamedTuple):
+    """Which implementation serves ``op`` (``"vendor"``, ``"torch"`` or ``"reference"``) and why, in words."""
+
+    op: str
+    impl: str
+    why: str
+
+
+class _Row(NamedTuple):
+    torch: str | None       # import path of the torch-fused implementation (None: torch has no fused form)
+    what: str               # what the torch implementation runs, for the reports
+    reference: str          # import path of the reference implementation
+
+
+#: op -> its implementations (each with the contract's signature: portspeed.accelerator.kernel_ops)
+TABLE: dict[str, _Row] = {
+    "attention": _Row(f"{_SDPA}:attention_torch", "torch.nn.functional.scaled_dot_product_attention",
+                      f"{_SDPA}:attention_reference"),
+    "attention_lse": _Row(f"{_SDPA}:attention_lse_torch", "torch's per-device SDPA ops that return the log-sum-exp",
+                          f"{_SDPA}:attention_lse_reference"),
+    "attention_lse_backward": _Row(f"{_SDPA}:attention_lse_backward_torch", "torch's per-device SDPA backward ops",
+                                   f"{_SDPA}:attention_lse_backward_reference"),
+    "rms_norm": _Row("portspeed.portable_te.norms:rms_norm_torch", "torch.nn.functional.rms_norm",
+                     "portspeed.portable_te.norms:rms_norm_reference"),
+    "layer_norm": _Row("portspeed.portable_te.norms:layer_norm_torch",
+                       "torch.nn.functional.layer_norm in the input's dtype (fp32 accumulation in the kernel)",
+                       "portspeed.portable_te.norms:layer_norm_reference"),
+    "rope": _Row("portspeed.portable_te.rope:rope_torch",
+                 "the rotation written into one output (torch has no fused RoPE)",
+                 "portspeed.portable_te.rope:rope_reference"),
+    "swiglu": _Row(None, "", "portspeed.portable_te.swiglu:swiglu_reference"),
+    "grouped_mm": _Row("portspeed.portable_te.grouped:grouped_mm_torch",
+                       "torch.nn.functional.grouped_mm for the dtypes the adapter declares (has_grouped_mm), "
+                       "else the loop", "portspeed.portable_te.grouped:grouped_mm_reference"),
+}
+assert tuple(TABLE) == tuple(KERNEL_OPS) == config.TE_KERNEL_OPS, "the kernel table and the contracts differ"
+
+_GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_lock = threading.RLock()
+_chosen: dict[str, Callable] = {}
+_choices: dict[str, Choice] = {}
+_generation = -1
+
+
+def import_path(path: str) -> Callable:
+    """The object ``"package.module:attr"`` names (imported now)."""
+    mod, attr = path.split(":")
+    fn: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+def _has_grouped_mm_op() -> bool:
+    return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
+
+
+def _torch_unavailable(op: str, acc: Any) -> str | None:
+    """Why torch's fused form of ``op`` cannot serve on this adapter (None: it can); torch's own checks only."""
+    row = TABLE[op]
+    if row.torch is None:
+        return "torch has no fused form"
+    if op.startswith("attention"):
+        if not hasattr(F, "scaled_dot_product_attention"):
+            return f"torch {torch.__version__} has no scaled_dot_product_attention"
+        return _sdpa_unavailable(op, acc.device_type)
+    if op == "rms_norm" and not hasattr(F, "rms_norm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.rms_norm (torch >= 2.4)"
+    if op == "grouped_mm":
+        if not _has_grouped_mm_op():
+            return f"torch {torch.__version__} has no grouped_mm (torch >= 2.8)"
+        if not any(acc.has_grouped_mm(dt) for dt in _GROUPED_DTYPES):
+            return "no grouped-GEMM kernel declared (has_grouped_mm)"
+    return None
+
+
+def _decide(op: str, acc: Any) -> tuple[Choice, Callable]:
+    start = config.settings().te_kernel_start(op)
+    prefix = "" if start == "vendor" else f"PORTSPEED_TE_KERNELS: {start}"
+    declared = acc.kernels()
+    skipped: list[str] = []
+    for impl in IMPLS[IMPLS.index(start):]:
+        if impl == "vendor":
+            if op in declared:
+                fn = resolve_kernel(acc.name, op, declared[op])
+                what = declared[op] if isinstance(declared[op], str) else getattr(fn, "__qualname__", repr(fn))
+                return Choice(op, "vendor", f"adapter {acc.name!r} declares {what}"), fn
+            skipped.append(f"adapter {acc.name!r} declares no vendor kernel")
+        elif impl == "torch":
+            why_not = _torch_unavailable(op, acc)
+            if why_not is None:
+                why = "; ".join([TABLE[op].what, *([prefix] if prefix else []), *skipped])
+                return Choice(op, "torch", why), import_path(TABLE[op].torch)  # type: ignore[arg-type]
+            skipped.append(why_not)
+        else:
+            return Choice(op, "reference", "; ".join([*([prefix] if prefix else []), *skipped])), \
+                import_path(TABLE[op].reference)
+    raise AssertionError("unreachable: reference is always last")  # pragma: no cover
+
+
+def _note(c: Choice) -> None:
+    given = dict(config.settings().te_kernels)
+    start = given.get(c.op, given.get("*"))  # None: not forced (the default preference)
+    if start is not None and c.impl != start:
+        log.warning("portspeed: PORTSPEED_TE_KERNELS asks for the %s %s, which is unavailable (%s): the %s runs",
+                    start, c.op, c.why, c.impl)
+    else:
+        log.info("portspeed: the portable Transformer Engine's %s runs the %s implementation (%s)", c.op, c.impl, c.why)
+
+
+def _choose(op: str) -> Callable:
+    global _generation
+    if op not in TABLE:
+        raise KeyError(f"{op!r} is not a kernel operation; operations: {', '.join(TABLE)}")
+    with _lock:
+        if _generation != selection._generation:
+            _chosen.clear()
+            _choices.clear()
+            _generation = selection._generation
+        if op not in _chosen:
+            c, fn = _decide(op, selection.get_accelerator())
+            _choices[op], _chosen[op] = c, fn
+            _note(c)
+        return _chosen[op]
+
+
+def kernel(op: str) -> Callable:
+    """The function serving ``op`` in this process (chosen on the first call; then a dict lookup)."""
+    if _generation == selection._generation:
+        fn = _chosen.get(op)
+        if fn is not None:
+            return fn
+    return _choose(op)
+
+
+def choice(op: str) -> Choice:
+    """Which implementation serves ``op`` and why (choosing it now if not yet chosen)."""
+    _choose(op)
+    return _choices[op]
+
+
+def choices() -> list[Choice]:
+    """Every operation's choice in this process (resolving them all: imports the implementations)."""
+    return [choice(op) for op in TABLE]
+
+
+def plan(adapter_cls: type, settings: config.Settings | None = None) -> list[Choice]:
+    """What each operation would run on ``adapter_cls``, from declarations only (for ``portspeed info``).
+
+    No vendor kernel is imported, no adapter is made and no device runtime loads: vendor kernels are
+    taken as declared, torch's forms by their presence in this torch and the attention module's
+    per-device-type check; ``grouped_mm`` by whether the adapter overrides ``has_grouped_mm`` (its
+    per-dtype answer needs the device: decided at first use).
+    """
+    settings = settings or config.settings()
+    declared = adapter_cls.kernels()
+    out = []
+    for op, row in TABLE.items():
+        start, skipped = settings.te_kernel_start(op), []
+        prefix = "" if start == "vendor" else f"PORTSPEED_TE_KERNELS: {start}"
+        for impl in IMPLS[IMPLS.index(start):]:
+            if impl == "vendor":
+                if op in declared:
+                    k = declared[op]
+                    out.append(Choice(op, "vendor", f"declared: {k if isinstance(k, str) else k.__qualname__}"))
+                    break
+                skipped.append("no vendor kernel declared")
+            elif impl == "torch":
+                why_not = None
+                if row.torch is None:
+                    why_not = "torch has no fused form"
+                elif op == "rms_norm" and not hasattr(F, "rms_norm"):
+                    why_not = f"torch {torch.__version__} has no F.rms_norm"
+                elif op == "grouped_mm" and not _has_grouped_mm_op():
+                    why_not = f"torch {torch.__version__} has no grouped_mm"
+                elif op == "grouped_mm" and getattr(adapter_cls, "has_grouped_mm") is _base_has_grouped_mm():
+                    why_not = "no grouped-GEMM kernel declared (has_grouped_mm)"
+                elif op.startswith("attention") and isinstance(getattr(adapter_cls, "device_type", None), str):
+                    why_not = _sdpa_unavailable(op, adapter_cls.device_type)
+                if why_not is None:
+                    out.append(Choice(op, "torch", "; ".join([row.what, *([prefix] if prefix else []), *skipped])))
+                    break
+                skipped.append(why_not)
+            else:
+                out.append(Choice(op, "reference", "; ".join([*([prefix] if prefix else []), *skipped])))
+    return out
+
+
+def _sdpa_unavailable(op: str, device_type: str) -> str | None:
+    """The attention module's own per-device check (plain torch: no device runtime), if it has one."""
+    try:
+        check = getattr(importlib.import_module(_SDPA), "torch_unavailable", None)
+    except ImportError as exc:
+        return f"{_SDPA} does not import ({exc})"
+    return check(op, device_type) if check is not None else None
+
+
+def _base_has_grouped_mm() -> Callable:
+    from portspeed.accelerator.contract import Accelerator
+
+    return Accelerator.has_grouped_mm
+
+
+def reset() -> None:
+    """Forget every choice (tests; after changing PORTSPEED_TE_KERNELS): the next ``kernel(op)`` chooses again."""
+    global _generation
+    with _lock:
+        _chosen.clear()
+        _choices.clear()
+        _generation = -1

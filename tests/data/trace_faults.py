@@ -1,0 +1,49 @@
+"""Planted faults for tests/test_trace.py, run under `portspeed run` with 2 ranks on CPU/Gloo: MODE = argv[1].
+
+none: no fault. skip: rank 1 skips its 3rd all_reduce. shape: an all_gather whose input has another shape on
+rank 1. op: rank 0 all_reduce, rank 1 all_gather at the same point. p2p: rank 0 sends twice, rank 1 receives
+once (a pipeline stage that never posts its second recv). straggler: rank 1 sleeps 3 s before its 3rd
+all_reduce. A rank done with its collectives sleeps (busy elsewhere) so its peer waits: `--hang-timeout` ends
+the job. The lines marked `site:` are what the tests expect `why-hung` to name.
+"""
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import portspeed
+
+mode = sys.argv[1]
+acc = portspeed.get_accelerator()  # the CPU adapter, or the test device (one device per rank)
+acc.set_device(int(os.environ["LOCAL_RANK"]))
+dev = acc.device()
+dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600))  # longer than any test: the watchdog ends it
+rank = dist.get_rank()
+t = torch.ones(4, device=dev)
+for i in range(4):
+    if mode == "skip" and rank == 1 and i == 2:
+        continue
+    if mode == "straggler" and rank == 1 and i == 2:
+        time.sleep(3)
+    dist.all_reduce(t)  # site: loop
+if mode == "shape":
+    dist.all_gather_into_tensor(torch.empty(8, device=dev), torch.ones(3 if rank == 1 else 4, device=dev))  # site: gather
+if mode == "op":
+    if rank == 0:
+        dist.all_reduce(t)  # site: op-reduce
+    else:
+        dist.all_gather_into_tensor(torch.empty(8, device=dev), t)  # site: op-gather
+if mode == "p2p":
+    if rank == 0:
+        dist.send(t, 1)
+        dist.send(torch.ones(8, device=dev), 1)  # site: send
+    else:
+        dist.recv(t, 0)
+dist.all_reduce(t)  # site: last
+if mode != "none" and mode != "straggler":
+    time.sleep(300)
+print(f"rank {rank} sum {t.sum().item()}", flush=True)
+dist.destroy_process_group()

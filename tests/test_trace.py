@@ -1,0 +1,186 @@
+"""The flight recorder and `portspeed run --hang-timeout`, on planted faults: 2 ranks, CPU/Gloo, real process groups.
+
+Each fault (tests/data/trace_faults.py) runs under `portspeed run`; the job must end (the run's own
+kill bound is the hang timeout plus start-up, not a timed assertion), its closing lines must name the
+rank and the collective (op, group, sequence number, call site) and the dump folder, and no rank may be
+left running (on the CPU adapter's Gloo, on the stand-in vendor backend, and, marked testdev, on the
+test device's testccl). A control run with no fault, dumped at exit, leaves `why-hung` with exit 1. One child
+checks the recorder itself: torch's fields, the ring bound, results untouched, a dump on SIGUSR1.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers.launch import REPO, free_port, run_python, run_snippet
+
+from portspeed.cli import why_hung
+
+SCRIPT = REPO / "tests" / "data" / "trace_faults.py"
+HANG_S = 10
+BOUND = 240  # kill bound of one run: start-up of 2 ranks on a loaded 2-core machine + HANG_S + dumps
+
+
+def _site(tag: str) -> str:
+    """``trace_faults.py:LINE`` of the line marked ``# site: tag``."""
+    for n, line in enumerate(SCRIPT.read_text().splitlines(), 1):
+        if line.rstrip().endswith(f"# site: {tag}"):
+            return f"trace_faults.py:{n}"
+    raise AssertionError(f"no '# site: {tag}' in {SCRIPT}")
+
+
+def _launch(mode: str, folder: Path, env: dict | None = None) -> tuple[int, list[str], str]:
+    res = run_python(["-m", "portspeed.cli", "run", "--hang-timeout", str(HANG_S), "--nproc-per-node", "2",
+                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), mode],
+                     timeout=BOUND, env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_FRAMEWORK_MODULES": "__main__",
+                                         "PORTSPEED_TRACE_DIR": str(folder), "PORTSPEED_TRACE_ON_EXIT": "1",
+                                         **(env or {})},
+                     drop=["PORTSPEED_TRACE"])
+    lines = [x for x in res.stderr.splitlines() if x.startswith("portspeed run:")]
+    return res.returncode, lines, res.stdout + res.stderr
+
+
+def _nothing_left(folder: Path) -> None:
+    """Every rank's process is gone (pids from the dumps)."""
+    for f in folder.glob("portspeed_trace_rank_*"):
+        if f.suffix:
+            continue
+        pid = pickle.loads(f.read_bytes())["ps_pid"]
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), \
+            f"rank process {pid} still running"
+
+
+#: mode -> (exit status, words of the cause line)
+FAULTS = {
+    "skip": (1, ["desync: rank 1 issued all_reduce collective #4 of group 0 (default_pg) from {last}",
+                 "the others from {loop}"]),
+    "shape": (1, ["shape/dtype mismatch: rank 1 issued _all_gather_base in [[3]]", "collective #5 of group 0",
+                  "at {gather}"]),
+    "op": (1, ["op mismatch: rank 1 issued _all_gather_base as collective #5 of group 0 (default_pg) at {op-gather}",
+               "rank 0 all_reduce", "{op-reduce}"]),
+    "p2p": (1, ["point-to-point: rank 0 issued a send to rank 1 with no matching recv on rank 1",
+                "p2p #2 of group 0 (default_pg)) at {send}"]),
+    "straggler": (0, ["straggler: rank 1 entered collective #3 of group 0 (default_pg) (all_reduce at {loop})"]),
+}
+
+
+#: (backend label, environment) of the other backends a fault also runs on
+BACKENDS = {"cpu": {}, "standin": {"PORTSPEED_BACKEND": "standin"}, "testdev": {"PORTSPEED_ACCELERATOR": "testdev"}}
+CASES = [pytest.param("cpu", m, id=f"cpu-{m}") for m in FAULTS] + [
+    pytest.param("standin", "skip", id="standin-skip"), pytest.param("standin", "p2p", id="standin-p2p"),
+    pytest.param("testdev", "skip", id="testdev-skip", marks=pytest.mark.testdev),
+    pytest.param("testdev", "p2p", id="testdev-p2p", marks=pytest.mark.testdev)]
+
+
+@pytest.mark.parametrize("backend,mode", CASES)
+def test_planted_fault_is_named_in_the_closing_lines(backend: str, mode: str, tmp_path: Path) -> None:
+    folder = tmp_path / "dumps"
+    code, lines, text = _launch(mode, folder, BACKENDS[backend])
+    want_code, words = FAULTS[mode]
+    assert code == want_code, text[-4000:]
+    why = [x for x in lines if x.startswith("portspeed run: why-hung: ")]
+    assert why, text[-4000:]
+    sites = {t: _site(t) for t in ("loop", "last", "gather", "op-gather", "op-reduce", "send")}
+    for w in words:
+        assert w.format(**sites) in why[0], why[0]
+    assert lines[-1].startswith(f"portspeed run: flight-recorder dumps in {folder}"), lines[-3:]
+    assert lines.index(why[0]) < len(lines) - 1  # the answer first, then the folder
+    if want_code == 1:  # ended by the watchdog (or a rank's error), each live rank dumped
+        assert "portspeed run: no rank completed a collective" in text or "RuntimeError ended the rank" in text
+    assert sorted(p.name for p in folder.glob("portspeed_trace_rank_?")) == ["portspeed_trace_rank_0",
+                                                                            "portspeed_trace_rank_1"]
+    _nothing_left(folder)
+
+
+def test_control_run_dumped_at_exit_shows_no_divergence(tmp_path: Path) -> None:
+    folder = tmp_path / "dumps"
+    code, lines, text = _launch("none", folder)
+    assert code == 0, text[-4000:]
+    assert not any("why-hung" in x for x in lines), lines  # nothing to say about a healthy run
+    # ones(4), 5 all_reduces over 2 ranks: 4 x 2**5 (recording changes nothing it computes)
+    assert re.search(r"rank 0 sum 128\.0", text) and re.search(r"rank 1 sum 128\.0", text), text[-2000:]
+    code, out = why_hung.answer(str(folder))
+    assert code == 1 and out[0].startswith("no divergence"), out
+    assert "rank 0: exit, rank 1: exit" in out[-1]
+    _nothing_left(folder)
+
+
+def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
+    """One rank, Gloo: torch's fields; the ring keeps the last N; the result is the unrecorded one; SIGUSR1 dumps."""
+    res = run_snippet(f'''
+        import json, os, pickle, signal, time, torch, torch.distributed as dist
+        import portspeed
+        from portspeed.adapters.cpu import CpuAccelerator
+        from patches.torch_distributed import PATCHES
+        portspeed.set_accelerator(CpuAccelerator())
+        def main():  # raw is a local: the patch manager's rebinding sweep reaches module globals
+            raw = dist.all_reduce
+            m = portspeed.PatchManager(); m.register(PATCHES); m.apply()
+            names = [r.patch.name for r in m.records()]
+            dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{free_port()}")
+            t = torch.arange(4.0)
+            for _ in range(5):
+                dist.all_reduce(t)
+            dist.broadcast(t, 0)
+            dist.all_gather_into_tensor(torch.empty(4), t)
+            u = torch.arange(4.0)
+            raw(u)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(100):
+                if os.path.exists("{tmp_path}/portspeed_trace_rank_0"):
+                    break
+                time.sleep(0.1)
+            d = pickle.load(open("{tmp_path}/portspeed_trace_rank_0", "rb"))
+            from portspeed.cli.why_hung import _through_entry
+            through = [_through_entry(x) for x in open("{tmp_path}/portspeed_last_calls_0.txt")]
+            print(json.dumps({{"names": names, "equal": bool(torch.equal(t, u * 1)), "reason": d["ps_reason"],
+                              "through": [(e["collective_seq_id"], e["profiling_name"]) for e in through],
+                              "pg": d["pg_config"], "entries": [{{k: e[k] for k in ("collective_seq_id", "profiling_name",
+                              "input_sizes", "output_sizes", "input_dtypes", "state", "frames", "ps_device")}}
+                              for e in d["entries"]]}}, default=str))
+        main()
+    ''', timeout=180, env={"PORTSPEED_TRACE": "3", "PORTSPEED_TRACE_DIR": str(tmp_path)})
+    got = res.check().last_json()
+    assert "torch.distributed.broadcast.trace" in got["names"] and "torch.distributed.send.trace" in got["names"]
+    assert got["equal"] and got["reason"] == "SIGUSR1"
+    assert [tuple(x) for x in got["through"]] == [(n, "gloo:all_reduce") for n in range(1, 6)] + [
+        (6, "gloo:broadcast"), (7, "gloo:_all_gather_base")]  # write-through: every issued call, not only the ring
+    assert got["pg"] == {"0": {"name": "0", "desc": "default_pg", "ranks": "[0]"}}
+    entries = got["entries"]
+    assert [e["collective_seq_id"] for e in entries] == [5, 6, 7], entries  # the ring kept the last 3 of 7
+    assert [e["profiling_name"] for e in entries] == ["gloo:all_reduce", "gloo:broadcast", "gloo:_all_gather_base"]
+    assert entries[2]["input_sizes"] == [[4]] and entries[2]["output_sizes"] == [[4]]
+    assert all(e["state"] == "completed" and e["input_dtypes"] == ["Float"] and e["ps_device"] == "cpu"
+               for e in entries)
+    assert entries[0]["frames"][0]["name"] == "main"  # the caller, not portspeed's wrapper
+    assert not any("portspeed" in f["filename"] for e in entries for f in e["frames"][:1])
+
+
+def test_torch_reader_reads_portspeed_dumps(tmp_path: Path) -> None:
+    """torch's own flight-recorder analyser (torch.distributed.flight_recorder.fr_trace) loads portspeed's dumps."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    entry = {"record_id": 1, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": 1,
+             "p2p_seq_id": 0, "op_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 1,
+             "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+             "state": "completed", "time_discovered_started_ns": None, "time_discovered_completed_ns": 2,
+             "retired": True, "timeout_ms": 1000, "is_p2p": False, "frames": [{"name": "f", "filename": "a.py",
+                                                                               "line": 1}]}
+    # the dump is written by portspeed's own writer, not by hand: one recorder per rank
+    res = run_snippet(f'''
+        from portspeed.comm import trace
+        for rank in (0, 1):
+            import os; os.environ["RANK"] = str(rank)
+            rec = trace.Recorder(10, "{folder}")
+            rec.entries.append(dict({entry!r}, ps_ranks=[0, 1]))
+            rec.groups["pg"] = ["0", "default_pg", [0, 1], 1, 0, "gloo"]
+            rec.dump("test")
+    ''', timeout=120)
+    res.check()
+    out = run_python(["-m", "torch.distributed.flight_recorder.fr_trace", str(folder)], timeout=120)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
