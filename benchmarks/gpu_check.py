@@ -68,6 +68,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _run(make_cmd: Any, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``make_cmd()``; once more with a new command (a new free port) if the port was taken meanwhile.
+
+    Why: a free port found here can be taken by another process before the child binds it (seen on a
+    shared CI machine: EADDRINUSE); that is a race of the harness, not a result of the part.
+    """
+    out = subprocess.run(make_cmd(), env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0 and "EADDRINUSE" in out.stdout + out.stderr:
+        out = subprocess.run(make_cmd(), env=env, capture_output=True, text=True, timeout=timeout)
+    return out
+
+
 def _write(out: Path, part: str, data: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{part}.json").write_text(json.dumps(data, indent=1))
@@ -119,13 +131,15 @@ def preflight(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------- (b) example
 def _example_run(args: argparse.Namespace, disabled: bool) -> list[float]:
     sizes = SIZES[args.device]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(REPO / "examples" / "pretrain_gpt.py"), *sizes["example"],
-           "--iters", str(sizes["example_iters"]), "--print-step-time"]
+    def cmd() -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                "--master-port", str(_free_port()), str(REPO / "examples" / "pretrain_gpt.py"), *sizes["example"],
+                "--iters", str(sizes["example_iters"]), "--print-step-time"]
+
     # CPU (the dry run) cannot run Megatron without portspeed's translation: there both runs have it
     env = _env(PORTSPEED_ACCELERATOR=args.device, **({"PORTSPEED_DISABLE": "*"} if disabled and args.device == "cuda"
                                                      else {}))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    out = _run(cmd, env, args.timeout)
     tag = "without" if disabled else "with"
     log = args.out / f"example_{tag}.log"
     with log.open("a") as fh:
@@ -297,7 +311,7 @@ def te(args: argparse.Namespace) -> int:
             extra["PORTSPEED_DISABLE"] = ",".join(x for x in (os.environ.get("PORTSPEED_DISABLE", ""), PORTABLE_PATCH)
                                                   if x)
         try:
-            out = subprocess.run(cmd, env=_env(**extra), capture_output=True, text=True, timeout=args.timeout)
+            out = _run(lambda: cmd, _env(**extra), args.timeout)  # te-step picks its own port at each start
             text = out.stdout + out.stderr
             line = [ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)]
             row = ({"name": name, **json.loads(line[-1][len(RESULT):])} if out.returncode == 0 and line else
