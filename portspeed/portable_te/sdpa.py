@@ -31,10 +31,19 @@ __all__ = ["attention_torch", "attention_reference", "attention_lse_torch", "att
 
 #: ``enable_gqa=`` reached torch in 2.5
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
-try:  # the bottom-right causal bias (a fused variant on CUDA, a materialised mask elsewhere)
-    from torch.nn.attention.bias import causal_lower_right as _causal_lower_right
-except ImportError:  # pragma: no cover - torch < 2.3
-    _causal_lower_right = None
+
+
+def _causal_lower_right(sq: int, sk: int) -> object | None:
+    """torch's bottom-right causal bias (a fused variant on CUDA, a materialised mask elsewhere), or None.
+
+    Imported at first use: ``torch.nn.attention.bias`` pulls in torch's inductor (about a second on the
+    2-core machine), which Megatron's TE path pays only when it asks for a bottom-right mask.
+    """
+    try:
+        from torch.nn.attention.bias import causal_lower_right
+    except ImportError:  # pragma: no cover - torch < 2.3
+        return None
+    return causal_lower_right(sq, sk)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -87,8 +96,9 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
     mask: object = attn_mask
     if causal == "top_left" and attn_mask is None:
         is_causal = True
-    elif causal == "bottom_right" and attn_mask is None and sq <= sk and _causal_lower_right is not None:
-        mask = _causal_lower_right(sq, sk)  # no row is empty when sq <= sk
+    elif causal == "bottom_right" and attn_mask is None and sq <= sk and \
+            (bias := _causal_lower_right(sq, sk)) is not None:
+        mask = bias  # no row is empty when sq <= sk
     elif causal is not None:
         allowed = causal_allowed(sq, sk, causal == "bottom_right", q.device)
         mask = allowed if attn_mask is None else (attn_mask & allowed)
