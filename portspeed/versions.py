@@ -35,7 +35,11 @@ __all__ = ["SOURCE_PACKAGES", "SUPPORTED", "GateVersion", "clear_cache", "distri
 #: release of the code that is imported.
 SOURCE_PACKAGES: dict[str, str] = {"megatron-core": "megatron.core"}
 
-#: distribution -> the range its patches were checked against (README, supported matrix).
+#: distribution -> the range its patches were checked against (README, supported matrix). The runs behind
+#: each bound: megatron-core 0.15.3-0.19.x, the stock matrix at core_v0.15.3 ... core_v0.19.0 launched from
+#: the checkout's root and from elsewhere (benchmarks/stock_matrix.py, table in docs/megatron.md) and CI's
+#: 0.16.1 / 0.19.2; torch 2.13.0 in CI, 2.14.1 by hand (docs/benchmarks.md, "Gloo on torch 2.14.1"); the 2.6
+#: floor fails the collective conformance on PREMUL_SUM (README's supported matrix), an open gap.
 SUPPORTED: dict[str, str] = {
     "megatron-core": ">=0.15,<0.20",
     "deepspeed": ">=0.19,<0.20",
