@@ -7,7 +7,12 @@ A device that is not the host proves both routes a vendor has to make the portab
   (their counters move), except with dropout, which the device's choice sends to torch's math path;
 - rms_norm: the adapter declares ``{"rms_norm": "portspeed.testing.testdev.kernels:rms_norm"}`` (a C++ operator
   of the device); the portable TE's ``RMSNorm`` runs it, and the conformance kit compares it with the reference
-  and names a planted wrong kernel.
+  and names a planted wrong kernel;
+- attention_lse and its backward (ring context parallelism; torch has no log-sum-exp attention for a PrivateUse1
+  device): the adapter declares the device's own tiled online-softmax kernel (C++, 32-key tiles); the registry
+  picks it, it equals the fp32 reference within the conformance bands (several tiles, a partial tile, causal and
+  not, GQA, fp32 and bf16, strided blocks as the ring passes them), and ring CP2 over testccl runs it (its
+  counters move) and equals the CPU CP1 attention within 1e-5 in fp32.
 
 Bands: the device computes attention with torch's CPU flash kernels on copies of its tensors, so the device equals
 the CPU run of the same torch call bit for bit (asserted exactly for SDPA; observed so through the portable TE too);
@@ -15,17 +20,22 @@ against the explicit fp32 arithmetic 1e-5. The vendor rms_norm differs from ``F.
 order of its reductions only: through RMSNorm + DotProductAttention, max |difference| / max(|CPU|, 1) observed
 1.6e-7 in fp32 (asserted 1e-5) and 0 in bf16 (asserted 2e-3), with and without attention dropout.
 
+The attention_lse kernel against the explicit fp32 reference (its own arithmetic, not torch's kernel, so not
+bitwise): observed max |difference| / max |reference| 6.2e-7 in fp32 (band 1e-4) and 4.0e-3 in bf16 (band 3e-2).
+
 Registering the device cannot be undone in a process: each check runs in a fresh interpreter (``run_python``),
 as in tests/test_testdev.py. The extension is built by ``make test`` first; if it cannot be built these fail.
 """
 
 from __future__ import annotations
 
+import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from helpers.launch import run_python
+from helpers.launch import run_python, torchrun
 
 PRELUDE = "import torch\nimport torch.nn.functional as F\n"
 
@@ -38,16 +48,18 @@ def _run(code: str, timeout: float = 300, **env: str) -> str:
 
 
 def test_declaring_the_vendor_kernel_loads_nothing() -> None:
-    """The declaration is read from Python alone: the registry's plan names the vendor rms_norm, and neither the
+    """The declaration is read from Python alone: the registry's plan names the vendor kernels, and neither the
     device runtime nor the kernel module is imported (``portspeed info`` stays instant and builds nothing)."""
     _run("""
         import sys
         from portspeed.accelerator import adapter_class
         from portspeed.portable_te import kernels
         cls = adapter_class("testdev")
-        assert cls.kernels() == {"rms_norm": "portspeed.testing.testdev.kernels:rms_norm"}, cls.kernels()
+        ops = ("rms_norm", "attention_lse", "attention_lse_backward")
+        assert cls.kernels() == {op: f"portspeed.testing.testdev.kernels:{op}" for op in ops}, cls.kernels()
         plan = {c.op: c for c in kernels.plan(cls)}
-        assert plan["rms_norm"].impl == "vendor" and "testdev.kernels:rms_norm" in plan["rms_norm"].why, plan
+        for op in ops:
+            assert plan[op].impl == "vendor" and f"testdev.kernels:{op}" in plan[op].why, plan[op]
         assert plan["attention"].impl == "torch", plan["attention"]
         loaded = [m for m in ("portspeed.testing.testdev.runtime", "portspeed.testing.testdev.kernels",
                               "portspeed_testdev_ext") if m in sys.modules]
@@ -196,15 +208,94 @@ def test_portable_te_reaches_both_kernels_and_equals_the_cpu_run() -> None:
 
 
 @pytest.mark.testdev
-def test_conformance_passes_the_device_kernel_and_names_planted_wrong_ones() -> None:
-    """The kit's kernels suite runs the declared rms_norm on the device (its counter moves) and passes it; a kernel
-    0.1 % off in value, and one right in value with a gradient 1 % off, both running on the device, are named
-    with the first case that fails (fp32 band 1e-4)."""
+def test_attention_lse_is_the_devices_kernel_and_equals_the_reference() -> None:
+    """With the test device selected the registry picks the vendor attention_lse and its backward; each call runs the
+    device's operator once (counters) and returns device tensors. Output, log-sum-exp and (dq, dk, dv) given a
+    merged out / lse equal the fp32 reference within the conformance bands: several 32-key tiles and a partial one,
+    causal and not, sq != sk, MHA and GQA (one K/V head for six query heads too), fp32 and bf16, strided blocks (as
+    the ring passes them). With its own out / lse the backward is the gradient of plain attention (CPU autograd).
+    Host tensors are refused by name."""
+    _run("""
+        import math
+        from portspeed.conformance.kernels import BANDS
+        from portspeed.portable_te import kernels
+        from portspeed.portable_te.sdpa import attention_lse_backward_reference, attention_lse_reference
+        import portspeed.testing.testdev.runtime as rt
+
+        fwd, bwd = kernels.kernel("attention_lse"), kernels.kernel("attention_lse_backward")
+        for op in ("attention_lse", "attention_lse_backward"):
+            c = kernels.choice(op)
+            assert c.impl == "vendor" and f"testdev.kernels:{op}" in c.why, c
+        dev = torch.device("testdev:0")
+
+        def rel(got, want):
+            return (got.float().cpu() - want).abs().max().item() / want.abs().max().item()
+
+        g = torch.Generator().manual_seed(0)
+        worst = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            for hq, hkv in ((4, 4), (4, 2), (6, 1)):
+                for sq, sk, causal in ((70, 70, True), (70, 70, False), (24, 75, False), (75, 40, True), (5, 9, True)):
+                    # strided: q, k, v are row slices of larger device tensors, as the ring's blocks are
+                    qs = torch.randn(2, hq, sq + 3, 16, generator=g).to(dtype).to(dev)
+                    kvs = torch.randn(2, hkv, 2 * sk, 16, generator=g).to(dtype).to(dev)
+                    q, k, v = qs[:, :, 3:], kvs[:, :, :sk], kvs[:, :, sk:]
+                    hq_, k_, v_ = (t.float().cpu() for t in (q, k, v))
+                    before = rt.counters()
+                    out, lse = fwd(q, k, v, causal=causal, scale=0.25)
+                    assert out.device == dev and lse.device == dev and out.dtype == dtype and lse.dtype == torch.float32
+                    want_out, want_lse = attention_lse_reference(hq_, k_, v_, causal=causal, scale=0.25)
+                    # the merged out / lse of this block and another holding as much mass again
+                    grad = torch.randn(want_out.shape, generator=g)
+                    m_out, m_lse = want_out * 0.5, want_lse + math.log(2.0)
+                    grads = bwd(grad.to(dtype).to(dev), q, k, v, m_out.to(dtype).to(dev), m_lse.to(dev),
+                                causal=causal, scale=0.25)
+                    wants = attention_lse_backward_reference(grad, hq_, k_, v_, m_out.to(dtype).float(), m_lse,
+                                                             causal=causal, scale=0.25)
+                    now = rt.counters()
+                    assert {n: now[n] - before[n] for n in now if now[n] != before[n]} == {
+                        "attention_lse_fwd": 1, "attention_lse_bwd": 1}
+                    case = (str(dtype), hq, hkv, sq, sk, causal)
+                    errs = [rel(out, want_out), rel(lse, want_lse), *(rel(a, b) for a, b in zip(grads, wants))]
+                    assert all(a.device == dev and a.dtype == dtype and a.shape == t.shape
+                               for a, t in zip(grads, (q, k, v))), case
+                    assert max(errs) <= BANDS[dtype], (case, errs)
+                    worst[dtype] = max(worst.get(dtype, 0.0), *errs)
+        print("worst", worst)
+
+        # the block's own out / lse: the gradient of plain softmax attention
+        q, k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(3))
+        k, v = k[:, :2], v[:, :2]
+        grad = torch.randn(2, 4, 40, 16, generator=g)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        s = leaves[0] @ leaves[1].repeat_interleave(2, 1).transpose(-1, -2) * 0.3
+        s = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+        (torch.softmax(s, -1) @ leaves[2].repeat_interleave(2, 1)).backward(grad)
+        out, lse = fwd(*(t.to(dev) for t in (q, k, v)), causal=True, scale=0.3)
+        got = bwd(grad.to(dev), *(t.to(dev) for t in (q, k, v)), out, lse, causal=True, scale=0.3)
+        for a, leaf in zip(got, leaves):
+            assert rel(a, leaf.grad) <= 1e-5, rel(a, leaf.grad)
+
+        try:
+            fwd(q, k.to(dev), v.to(dev), causal=False, scale=0.3)
+        except ValueError as exc:
+            assert "attention_lse kernel got q on cpu" in str(exc), exc
+        else:
+            raise AssertionError("a host tensor reached the device's kernel")
+    """, PORTSPEED_ACCELERATOR="testdev")
+
+
+@pytest.mark.testdev
+def test_conformance_passes_the_device_kernels_and_names_planted_wrong_ones() -> None:
+    """The kit's kernels suite runs each declared kernel on the device (its counters move) and passes it; planted
+    kernels running on the device are named with the first case that fails (fp32 band 1e-4): an rms_norm 0.1 % off
+    in value, one right in value with a gradient 1 % off, an attention_lse whose log-sum-exp is 0.01 too large,
+    and an attention_lse_backward that uses the block's own out / lse instead of the merged ones given to it."""
     _run("""
         from portspeed.conformance.kernels import run_kernel_checks
         from portspeed.conformance.report import Report
         from portspeed.testing.testdev.adapter import TestdevAccelerator
-        from portspeed.testing.testdev.kernels import rms_norm
+        from portspeed.testing.testdev.kernels import attention_lse, attention_lse_backward, rms_norm
         import portspeed.testing.testdev.runtime as rt
 
         def off_in_value(x, weight, eps):  # planted: 0.1 % too large
@@ -214,26 +305,127 @@ def test_conformance_passes_the_device_kernel_and_names_planted_wrong_ones() -> 
             y = rms_norm(x, weight, eps)
             return y + (0.01 * y - (0.01 * y).detach())
 
-        def check(kernel):
+        def lse_off(q, k, v, *, causal, scale):  # planted: the right output, the log-sum-exp 0.01 too large
+            out, lse = attention_lse(q, k, v, causal=causal, scale=scale)
+            return out, lse + 0.01
+
+        def own_lse_backward(grad_out, q, k, v, out, lse, *, causal, scale):  # planted: ignores the merged out/lse
+            mine, my_lse = attention_lse(q, k, v, causal=causal, scale=scale)
+            return attention_lse_backward(grad_out, q, k, v, mine, my_lse, causal=causal, scale=scale)
+
+        def check(op=None, kernel=None):
             class Planted(TestdevAccelerator):
                 name = "testdev-planted"
 
                 @classmethod
                 def kernels(cls):
-                    return {"rms_norm": kernel}
+                    return {op: kernel}
 
             report = Report("testdev")
             run_kernel_checks(TestdevAccelerator() if kernel is None else Planted(), report)
-            assert len(report.checks) == 1 and not report.checks[0].skipped, report.render()
+            assert not any(c.skipped for c in report.checks), report.render()
             return report
 
-        before = rt.counters()["rms_norm_fwd"]
-        good = check(None)
-        assert not good.failed, good.render()
-        assert rt.counters()["rms_norm_fwd"] > before  # it ran the device's kernel
-        for kernel, words in ((off_in_value, "x [3, 5, 64], float32: output 0"),
-                              (off_in_gradient, "x [3, 5, 64], float32: gradient of input 0")):
-            failed = check(kernel).failed
-            assert len(failed) == 1 and "rms_norm" in failed[0].name, failed
+        before = rt.counters()
+        good = check()
+        assert len(good.checks) == 3 and not good.failed, good.render()
+        assert {c.name.split()[2] for c in good.checks} == {"rms_norm", "attention_lse", "attention_lse_backward"}
+        moved = {k for k, n in rt.counters().items() if n > before[k]}
+        assert moved == {"rms_norm_fwd", "rms_norm_bwd", "attention_lse_fwd", "attention_lse_bwd"}, moved
+        for op, kernel, words in (
+                ("rms_norm", off_in_value, "x [3, 5, 64], float32: output 0"),
+                ("rms_norm", off_in_gradient, "x [3, 5, 64], float32: gradient of input 0"),
+                ("attention_lse", lse_off, "MHA sq 16 sk 16 causal True, float32: output 1"),
+                ("attention_lse_backward", own_lse_backward, "MHA sq 16 sk 16 causal True, float32: output 0")):
+            failed = check(op, kernel).failed
+            assert len(failed) == 1 and f"kernel {op} " in failed[0].name, failed
             assert words in failed[0].detail and "> 1e-04" in failed[0].detail, failed[0].detail
     """)
+
+
+@pytest.mark.testdev
+def test_conformance_cli_passes_the_kernels_suite_on_the_device() -> None:
+    """``portspeed conformance --adapter testdev --suites kernels``: every declared kernel passes, nothing skipped."""
+    res = run_python(["-m", "portspeed.cli", "conformance", "--adapter", "testdev", "--suites", "kernels"],
+                     timeout=600)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    for op in ("rms_norm", "attention_lse", "attention_lse_backward"):
+        assert f"vendor kernel {op} (portspeed.testing.testdev.kernels:{op})" in res.stdout, res.stdout[-3000:]
+    assert "[skip]" not in res.stdout and "0 failed" in res.stdout, res.stdout[-3000:]
+
+
+_RING_CP2 = textwrap.dedent(
+    """
+    import json, os
+    import torch, torch.distributed as dist
+    import portspeed, portspeed.megatron_adaptor as adaptor
+    adaptor.activate()  # the router and the device translation: "nccl" is the test device's CCL, testccl
+    acc = portspeed.get_accelerator()
+    acc.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    dev = acc.device()
+    from portspeed.portable_te import attention
+    from portspeed.portable_te.kernels import choice
+    import portspeed.testing.testdev.runtime as rt
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(cp)))
+    out = {"rank": rank, "device": str(dev), "backend": group._get_backend(dev).name(),
+           "kernels": [choice(op).impl for op in ("attention_lse", "attention_lse_backward")]}
+    torch.manual_seed(0)
+    S, B, D = 144, 2, 16  # 72 tokens a rank: the step-0 causal block spans three 32-key tiles, the last partial
+    c = S // (2 * cp)
+    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c),  # chunks rank and 2 cp - 1 - rank
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    for heads, groups in ((4, 4), (4, 2)):
+        Q, K, V = torch.randn(S, B, heads, D), torch.randn(S, B, groups, D), torch.randn(S, B, groups, D)
+        G = torch.randn(S, B, heads * D)
+        for mask in ("causal", "no_mask"):
+            full = attention.DotProductAttention(heads, D, num_gqa_groups=groups, attn_mask_type=mask)
+            q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+            y = full(q, k, v)  # CP1 on the host: the reference
+            y.backward(G)
+            ref = [t[mine] for t in (y, q.grad, k.grad, v.grad)]
+            part = attention.DotProductAttention(heads, D, num_gqa_groups=groups, attn_mask_type=mask,
+                                                 cp_group=group, cp_global_ranks=list(range(cp)), cp_comm_type="p2p")
+            ql, kl, vl = (t[mine].to(dev).requires_grad_() for t in (Q, K, V))
+            before = rt.counters()
+            yl = part(ql, kl, vl)
+            yl.backward(G[mine].to(dev))
+            now = rt.counters()
+            case = f"h{heads}g{groups}-{mask}"
+            out[case] = {"calls": {n: now[n] - before[n] for n in now if now[n] != before[n]},
+                         "devices": sorted({t.device.type for t in (yl, ql.grad, kl.grad, vl.grad)}),
+                         "errors": [(a.detach().cpu() - b).abs().max().item()
+                                    for a, b in zip((yl, ql.grad, kl.grad, vl.grad), ref)]}
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.testdev
+@pytest.mark.multiproc
+def test_ring_cp2_runs_the_devices_attention_lse_and_equals_cpu_cp1(tmp_path: Path) -> None:
+    """Ring context parallelism, 2 ranks on the test device over testccl (Megatron's "nccl" through portspeed's
+    router): each rank's ring runs the device's attention_lse and its backward (two blocks a rank: counters move
+    by exactly 2 and 2, nothing else of the device's kernels runs), and output, dq, dk, dv equal the CPU CP1
+    attention within 1e-5 in fp32 (causal and not, MHA and GQA; 72 tokens a rank, several tiles a block)."""
+    script = tmp_path / "ring_cp2_testdev.py"
+    script.write_text(_RING_CP2)
+    res = torchrun(str(script), 2, timeout=300, env={"PORTSPEED_ACCELERATOR": "testdev"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
+    assert sorted(r["rank"] for r in rows) == [0, 1], res.stdout[-2000:]
+    for row in rows:
+        assert row["device"].startswith("testdev") and row["backend"] == "testccl", row
+        assert row["kernels"] == ["vendor", "vendor"], row
+        cases = {k: v for k, v in row.items() if k.startswith("h")}
+        assert len(cases) == 4, row
+        for case, got in cases.items():
+            where = f"rank {row['rank']} {case}: {got}"
+            assert got["calls"] == {"attention_lse_fwd": 2, "attention_lse_bwd": 2}, where
+            assert got["devices"] == ["testdev"], where
+            assert max(got["errors"]) <= 1e-5, where

@@ -41,10 +41,13 @@ class TestdevAccelerator(PrivateUse1Accelerator):
 
     @classmethod
     def kernels(cls) -> dict[str, Any]:
-        """One vendor kernel, to prove the slot on a device that is not the host: ``rms_norm``, a C++ operator of
-        the device (``kernels.py``, ``csrc/fused.cpp``). Named by import path: declaring it loads nothing.
-        (Its fused attention needs no declaration: it reaches torch's SDPA through the PrivateUse1 hooks.)"""
-        return {"rms_norm": "portspeed.testing.testdev.kernels:rms_norm"}
+        """Vendor kernels, to prove the slot on a device that is not the host: ``rms_norm``, and ``attention_lse``
+        with its backward (ring context parallelism: torch has no log-sum-exp attention for a PrivateUse1
+        device), C++ operators of the device (``kernels.py``, ``csrc/fused.cpp``). Named by import path:
+        declaring them loads nothing. (Its fused attention needs no declaration: it reaches torch's SDPA
+        through the PrivateUse1 hooks.)"""
+        return {op: f"portspeed.testing.testdev.kernels:{op}"
+                for op in ("rms_norm", "attention_lse", "attention_lse_backward")}
 
     @classmethod
     def vendor_build_missing(cls) -> str | None:

@@ -61,7 +61,8 @@ def counters() -> dict[str, int]:
 
     ``sdpa_overrideable_fwd`` / ``_bwd``: its fused attention (torch's PrivateUse1 SDPA hook);
     ``sdpa_choice_overrideable`` / ``sdpa_choice_math`` (``..._math_dropout``): what its
-    ``_fused_sdp_choice`` answered; ``rms_norm_fwd`` / ``_bwd``: its vendor-slot kernel.
+    ``_fused_sdp_choice`` answered; ``rms_norm_fwd`` / ``_bwd``, ``attention_lse_fwd`` / ``_bwd``: its
+    vendor-slot kernels.
     """
     return dict(extension.kernel_counters())
 

@@ -15,6 +15,10 @@
 //
 // rms_norm, for portspeed's vendor-kernel slot (portspeed.testing.testdev.kernels): the
 // custom operators testdev::rms_norm_forward / rms_norm_backward, statistics in float32.
+//
+// attention_lse, for the same slot (ring context parallelism asks for it): the custom operators
+// testdev::attention_lse_forward / attention_lse_backward, the device's own tiled kernel with an
+// online softmax (not torch's), reading and writing device memory in place.
 #include "testdev.h"
 
 #include <ATen/SDPBackend.h>
@@ -24,11 +28,19 @@
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/maximum.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <limits>
@@ -46,11 +58,14 @@ enum Counter : size_t {
   kChoiceMathDropout,
   kRmsNormForward,
   kRmsNormBackward,
+  kLseForward,
+  kLseBackward,
   kNumCounters
 };
 constexpr std::array<const char*, kNumCounters> kCounterNames = {
     "sdpa_overrideable_fwd", "sdpa_overrideable_bwd", "sdpa_choice_overrideable", "sdpa_choice_math",
-    "sdpa_choice_math_dropout", "rms_norm_fwd", "rms_norm_bwd"};
+    "sdpa_choice_math_dropout", "rms_norm_fwd", "rms_norm_bwd",
+    "attention_lse_fwd", "attention_lse_bwd"};
 std::array<std::atomic<int64_t>, kNumCounters> counters{};
 
 void bump(Counter c) { counters[c].fetch_add(1, std::memory_order_relaxed); }
@@ -180,6 +195,130 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad, con
   return {dx.to(x.scalar_type()).to(x.device()), dw.to(weight.scalar_type()).to(x.device())};
 }
 
+// ---------------------------------------------------------------- attention with its log-sum-exp (vendor slot)
+// One block of ring context parallelism (portspeed.accelerator.kernel_ops.attention_lse and its backward),
+// written for the device rather than borrowed from torch: keys in tiles of kKeyTile with an online softmax
+// (running max, running sum, rescaled accumulator), float32 throughout, grouped-query attention without
+// repeating K/V (each key/value head serves its g query heads as g * sq rows). Device memory is host RAM,
+// so the kernel reads its operands and writes its results in place through host views: no copies.
+constexpr int64_t kKeyTile = 32;
+
+// A host tensor over a device tensor's bytes (sizes, strides and offset kept): how the kernel touches device memory.
+at::Tensor in_place(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), at::TensorOptions().dtype(t.scalar_type()));
+}
+
+void check_lse_operands(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().type() == kDeviceType && t->device() == q.device(), "testdev::", op,
+                ": q, k and v must be on one testdev device (it is the device's kernel), got ", q.device(), ", ",
+                k.device(), " and ", v.device());
+  }
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "testdev::", op,
+              ": q, k, v must be [b, heads, seq, d], got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(floating(q.scalar_type()) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "testdev::", op, ": q, k, v must share one floating dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0,
+              "testdev::", op, ": k and v must be [b, hkv, sk, d] with hq % hkv == 0 for q ", q.sizes(),
+              ", got ", k.sizes(), " and ", v.sizes());
+}
+
+// A device tensor [b, hq, s, x] (any strides) as float32 [b, hkv, g * s, x] on the host, read in place (a copy
+// only to widen bf16/fp16): the rows of the g query heads of each key/value head, as one matrix.
+at::Tensor grouped(const at::Tensor& host, int64_t hkv) {
+  return host.to(at::kFloat).reshape({host.size(0), hkv, host.size(1) / hkv * host.size(2), host.size(3)});
+}
+
+// Where top-left causal forbids keys [j0, j0 + n) to the grouped rows (row r is query r % sq): [g * sq, n].
+at::Tensor causal_forbidden(int64_t rows, int64_t sq, int64_t j0, int64_t n) {
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  const at::Tensor query = at::arange(rows, longs).remainder(sq).unsqueeze(1);
+  const at::Tensor key = at::arange(j0, j0 + n, longs).unsqueeze(0);
+  return key.gt(query);
+}
+
+at::Tensor tile_scores(const at::Tensor& qg, const at::Tensor& kt, bool causal, int64_t sq, int64_t j0,
+                       double scale) {
+  at::Tensor s = at::matmul(qg, kt.transpose(-2, -1)).mul_(scale);
+  if (causal) s.masked_fill_(causal_forbidden(qg.size(2), sq, j0, kt.size(2)), -std::numeric_limits<float>::infinity());
+  return s;
+}
+
+// A device tensor of `like`'s options holding `host` (written in place).
+at::Tensor to_device(const at::Tensor& host, const at::Tensor& like, c10::ScalarType dtype) {
+  at::Tensor out = at::empty(host.sizes(), like.options().dtype(dtype));
+  in_place(out).copy_(host);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_lse_forward(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v, bool causal, double scale) {
+  check_lse_operands("attention_lse_forward", q, k, v);
+  bump(kLseForward);
+  c10::DeviceGuard guard(q.device());
+  const int64_t b = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hkv = k.size(1), sk = k.size(2);
+  const at::Tensor qg = grouped(in_place(q), hkv), kf = grouped(in_place(k), hkv), vf = grouped(in_place(v), hkv);
+  const float inf = std::numeric_limits<float>::infinity();
+  at::Tensor row_max = at::full({b, hkv, qg.size(2), 1}, -inf, qg.options());
+  at::Tensor row_sum = at::zeros_like(row_max);
+  at::Tensor acc = at::zeros({b, hkv, qg.size(2), d}, qg.options());
+  for (int64_t j0 = 0; j0 < sk; j0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, sk - j0);
+    const at::Tensor s = tile_scores(qg, kf.narrow(2, j0, n), causal, sq, j0, scale);
+    const at::Tensor new_max = at::maximum(row_max, std::get<0>(s.max(-1, /*keepdim=*/true)));
+    const at::Tensor shift = new_max.masked_fill(new_max.isneginf(), 0.0);  // a row with no key allowed yet
+    const at::Tensor p = (s - shift).exp_();
+    const at::Tensor rescale = (row_max - shift).exp_();
+    row_sum = row_sum.mul_(rescale).add_(p.sum(-1, /*keepdim=*/true));
+    acc = acc.mul_(rescale).add_(at::matmul(p, vf.narrow(2, j0, n)));
+    row_max = new_max;
+  }
+  const at::Tensor lse = (row_max + row_sum.log()).reshape({b, hq, sq});
+  // no key at all (an empty block): lse -inf and out 0, which a log-sum-exp merge then ignores
+  const at::Tensor out = acc.div_(row_sum.masked_fill(row_sum.eq(0), 1.0)).reshape({b, hq, sq, d});
+  return {to_device(out, q, q.scalar_type()), to_device(lse, q, at::kFloat)};
+}
+
+// The block's share of the gradient of the merged attention, given the merged `out` and `lse`:
+// p = exp(s - lse), dV = p^T dO, dS = p * (dO V^T - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q scale.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_lse_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, double scale) {
+  check_lse_operands("attention_lse_backward", q, k, v);
+  for (const at::Tensor* t : {&grad_out, &out, &lse}) {
+    TORCH_CHECK(t->device() == q.device(), "testdev::attention_lse_backward: grad_out, out and lse must be on ",
+                q.device(), " with q, got ", grad_out.device(), ", ", out.device(), " and ", lse.device());
+  }
+  TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(),
+              "testdev::attention_lse_backward: grad_out and out must be shaped as q ", q.sizes(), ", got ",
+              grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.sizes() == q.sizes().slice(0, 3) && lse.scalar_type() == at::kFloat,
+              "testdev::attention_lse_backward: lse must be float32 [b, hq, sq] ", q.sizes().slice(0, 3), ", got ",
+              lse.scalar_type(), " ", lse.sizes());
+  bump(kLseBackward);
+  c10::DeviceGuard guard(q.device());
+  const int64_t hkv = k.size(1), sq = q.size(2), sk = k.size(2);
+  const at::Tensor qg = grouped(in_place(q), hkv), kf = grouped(in_place(k), hkv), vf = grouped(in_place(v), hkv);
+  const at::Tensor dout = grouped(in_place(grad_out), hkv);
+  const at::Tensor lse_rows = grouped(in_place(lse).unsqueeze(-1), hkv);
+  const at::Tensor delta = (dout * grouped(in_place(out), hkv)).sum(-1, /*keepdim=*/true);
+  at::Tensor dq = at::zeros_like(qg);
+  at::Tensor dk = at::empty_like(kf), dv = at::empty_like(vf);
+  for (int64_t j0 = 0; j0 < sk; j0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, sk - j0);
+    const at::Tensor kt = kf.narrow(2, j0, n), vt = vf.narrow(2, j0, n);
+    const at::Tensor p = (tile_scores(qg, kt, causal, sq, j0, scale) - lse_rows).exp_();
+    dv.narrow(2, j0, n).copy_(at::matmul(p.transpose(-2, -1), dout));
+    const at::Tensor ds = p.mul_(at::matmul(dout, vt.transpose(-2, -1)).sub_(delta));
+    dq.add_(at::matmul(ds, kt));
+    dk.narrow(2, j0, n).copy_(at::matmul(ds.transpose(-2, -1), qg));
+  }
+  return {to_device(dq.mul_(scale).reshape(q.sizes()), q, q.scalar_type()),
+          to_device(dk.mul_(scale), k, k.scalar_type()), to_device(dv, v, v.scalar_type())};
+}
+
 }  // namespace
 
 std::map<std::string, int64_t> kernel_counters() {
@@ -195,11 +334,16 @@ void reset_kernel_counters() {
 TORCH_LIBRARY(testdev, m) {
   m.def("rms_norm_forward(Tensor x, Tensor weight, float eps) -> (Tensor y, Tensor rstd)");
   m.def("rms_norm_backward(Tensor grad, Tensor x, Tensor weight, Tensor rstd) -> (Tensor grad_x, Tensor grad_weight)");
+  m.def("attention_lse_forward(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  m.def("attention_lse_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+        "float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
 TORCH_LIBRARY_IMPL(testdev, PrivateUse1, m) {
   m.impl("rms_norm_forward", TORCH_FN(rms_norm_forward));
   m.impl("rms_norm_backward", TORCH_FN(rms_norm_backward));
+  m.impl("attention_lse_forward", TORCH_FN(attention_lse_forward));
+  m.impl("attention_lse_backward", TORCH_FN(attention_lse_backward));
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
