@@ -17,6 +17,13 @@ Steps alternate A,B / B,A to spread drift; the ratio of medians and the ratio of
 process (world size 1, Gloo), OMP_NUM_THREADS=1::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_train_step.py --pairs 30
+
+``--trace N``: the flight recorder's cost instead (issue 25). Recording (``PORTSPEED_TRACE=N``,
+write-through on) is installed at import; A is the step with it, B the same step with every
+recorded ``torch.distributed`` function swapped back, wherever it is bound, for the function it
+wraps (the router's, or torch's): recording off, as a run without ``PORTSPEED_TRACE`` has it::
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_train_step.py --pairs 30 --trace 2000
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ import socket
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "--trace" in sys.argv:  # recording is decided when the patches are made, at the adaptor's import
+    import tempfile
+
+    os.environ["PORTSPEED_TRACE"] = sys.argv[sys.argv.index("--trace") + 1]
+    os.environ.setdefault("PORTSPEED_TRACE_DIR", tempfile.mkdtemp(prefix="bench-trace-"))
 
 import portspeed.megatron_adaptor  # noqa: E402,F401
 
@@ -92,6 +104,43 @@ def bypassed() -> Iterator[None]:
         tv.__dict__.update(saved_tv)
 
 
+def _recorded_bindings() -> list[tuple[dict, str, object, object]]:
+    """(namespace, name, recorded, unrecorded) for every binding of a recorded torch.distributed function."""
+    from portspeed.comm import trace
+
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    swap = {}
+    for name in (*trace.OPS, "batch_isend_irecv"):
+        f = getattr(c10d, name, None)
+        code = getattr(f, "__code__", None)
+        if code is None or not getattr(f, "__module__", "").startswith("portspeed.comm.trace"):
+            continue
+        free = code.co_freevars
+        inner = "inner" if "inner" in free else "original"
+        swap[id(f)] = (f, f.__closure__[free.index(inner)].cell_contents)
+    out = []
+    for mod in list(sys.modules.values()):
+        ns = getattr(mod, "__dict__", None)
+        if not isinstance(ns, dict):
+            continue
+        for k, v in list(ns.items()):
+            if id(v) in swap and swap[id(v)][0] is v:
+                out.append((ns, k, v, swap[id(v)][1]))
+    return out
+
+
+@contextlib.contextmanager
+def unrecorded(bindings: list) -> Iterator[None]:
+    """Recording off for the block: each binding back to the function the recorder wraps."""
+    for ns, k, _, plain in bindings:
+        ns[k] = plain
+    try:
+        yield
+    finally:
+        for ns, k, rec, _ in bindings:
+            ns[k] = rec
+
+
 def _forced_cpu(fn, cpu: torch.device):
     def direct(*args, **kwargs):
         if "device" in kwargs:
@@ -131,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-layers", default="4")
     p.add_argument("--hidden-size", default="64")
+    p.add_argument("--trace", type=int, default=None, metavar="N",
+                   help="A/B the flight recorder instead: A recording (ring of N), B recording off")
     opts = p.parse_args(argv)
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(_free_port())}.items():
@@ -141,22 +192,42 @@ def main(argv: list[str] | None = None) -> int:
     args = pg.parse_args(["--num-layers", opts.num_layers, "--hidden-size", opts.hidden_size, "--seq-length", "32",
                           "--vocab-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2"])
     model, optimizer, _, _ = pg.setup(args)
+    if opts.trace:
+        bindings = _recorded_bindings()
+        assert bindings, "PORTSPEED_TRACE is set but no recorded torch.distributed function was found"
+        other = lambda: unrecorded(bindings)  # noqa: E731
+        from portspeed.comm import trace
+        rec = trace.recorder()
+        first_id = rec.record_id
+    else:
+        other = bypassed
     it = 0
     for _ in range(opts.warmup):
         it += 1
         pg.train_step(args, model, optimizer, it)
-        with bypassed():
+        with other():
             it += 1
             pg.train_step(args, model, optimizer, it)
     times: dict[str, list[float]] = {"A": [], "B": []}
     for i in range(opts.pairs):
         for side in ("AB" if i % 2 == 0 else "BA"):
             it += 1
-            ctx = bypassed() if side == "B" else contextlib.nullcontext()
+            ctx = other() if side == "B" else contextlib.nullcontext()
             with ctx:
                 t0 = time.perf_counter()
                 pg.train_step(args, model, optimizer, it)
                 times[side].append(time.perf_counter() - t0)
+    if opts.trace:
+        per_step = (rec.record_id - first_id) / (opts.warmup + opts.pairs)
+        a, b = statistics.median(times["A"]), statistics.median(times["B"])
+        amin, bmin = min(times["A"]), min(times["B"])
+        paired = statistics.median(x / y for x, y in zip(times["A"], times["B"]))  # each pair: adjacent steps
+        print(f"train step TP1 ({opts.num_layers} layers, hidden {opts.hidden_size}), {opts.pairs} pairs, "
+              f"{per_step:.1f} recorded calls per step ({len(bindings)} bindings swapped for B): "
+              f"recording median {a * 1e3:.2f} ms, off median {b * 1e3:.2f} ms, ratio {a / b:.4f}; "
+              f"min {amin * 1e3:.2f} / {bmin * 1e3:.2f} ms, ratio of minima {amin / bmin:.4f}; "
+              f"median of pair ratios {paired:.4f}")
+        return 0
     counts = count_translation_calls(lambda: pg.train_step(args, model, optimizer, it + 1))
     print("portspeed calls in one step: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))
     a, b = statistics.median(times["A"]), statistics.median(times["B"])

@@ -94,6 +94,15 @@ def test_planted_fault_is_named_in_the_closing_lines(backend: str, mode: str, tm
         assert "portspeed run: no rank completed a collective" in text or "RuntimeError ended the rank" in text
     assert sorted(p.name for p in folder.glob("portspeed_trace_rank_?")) == ["portspeed_trace_rank_0",
                                                                             "portspeed_trace_rank_1"]
+    if backend != "cpu":  # the CCL's inner group: listed (and, for the stand-in, its ring steps recorded) as staging
+        owner = {"standin": "standin", "testdev": "testccl"}[backend]
+        d = pickle.loads((folder / "portspeed_trace_rank_0").read_bytes())
+        assert any(c.get("ps_staging") == owner and c["desc"].startswith(f"staging group of {owner}")
+                   for c in d["pg_config"].values()), d["pg_config"]
+        staged = d["ps_staged"]
+        if owner == "standin":
+            assert staged and all(e["process_group"][0].endswith("/staging") and e["is_p2p"] for e in staged)
+        assert "staging" not in why[0]  # never the cause
     _nothing_left(folder)
 
 
@@ -138,7 +147,15 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
             d = pickle.load(open("{tmp_path}/portspeed_trace_rank_0", "rb"))
             from portspeed.cli.why_hung import _through_entry
             through = [_through_entry(x) for x in open("{tmp_path}/portspeed_last_calls_0.txt")]
+            objs, box = [None], [7]  # torch's *_object collectives: recorded by their inner calls, named as such
+            dist.all_gather_object(objs, {{"a": 1}})
+            dist.broadcast_object_list(box, 0)
+            from portspeed.comm import trace
+            d2 = pickle.load(open(trace.dump("asked"), "rb"))
+            last = [_through_entry(x) for x in open("{tmp_path}/portspeed_last_calls_0.txt")][-4:]
             print(json.dumps({{"names": names, "equal": bool(torch.equal(t, u * 1)), "reason": d["ps_reason"],
+                              "objects": [(e["ps_op"], e.get("ps_via"), e["frames"][0]["name"]) for e in d2["entries"]],
+                              "objects_through": [(e["profiling_name"], e["frames"][0]["name"]) for e in last],
                               "through": [(e["collective_seq_id"], e["profiling_name"]) for e in through],
                               "pg": d["pg_config"], "entries": [{{k: e[k] for k in ("collective_seq_id", "profiling_name",
                               "input_sizes", "output_sizes", "input_dtypes", "state", "frames", "ps_device")}}
@@ -158,6 +175,11 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
     assert all(e["state"] == "completed" and e["input_dtypes"] == ["Float"] and e["ps_device"] == "cpu"
                for e in entries)
     assert entries[0]["frames"][0]["name"] == "main"  # the caller, not portspeed's wrapper
+    assert [tuple(x) for x in got["objects"]] == [("all_gather", "all_gather_object", "main"),
+                                                  ("broadcast", "broadcast_object_list", "main"),
+                                                  ("broadcast", "broadcast_object_list", "main")], got["objects"]
+    assert [tuple(x) for x in got["objects_through"]] == [("gloo:all_gather", "main"), ("gloo:all_gather", "main"),
+                                                          ("gloo:broadcast", "main"), ("gloo:broadcast", "main")]
     assert not any("portspeed" in f["filename"] for e in entries for f in e["frames"][:1])
 
 
@@ -171,16 +193,27 @@ def test_torch_reader_reads_portspeed_dumps(tmp_path: Path) -> None:
              "state": "completed", "time_discovered_started_ns": None, "time_discovered_completed_ns": 2,
              "retired": True, "timeout_ms": 1000, "is_p2p": False, "frames": [{"name": "f", "filename": "a.py",
                                                                                "line": 1}]}
-    # the dump is written by portspeed's own writer, not by hand: one recorder per rank
+    # the dump is written by portspeed's own writer, not by hand: one recorder per rank, with a staging group
+    # (the stand-in's inner group) and one ring step of it under the all_reduce
     res = run_snippet(f'''
-        from portspeed.comm import trace
+        import torch
+        from portspeed.comm import trace, trace_staging
         for rank in (0, 1):
             import os; os.environ["RANK"] = str(rank)
             rec = trace.Recorder(10, "{folder}")
             rec.entries.append(dict({entry!r}, ps_ranks=[0, 1]))
             rec.groups["pg"] = ["0", "default_pg", [0, 1], 1, 0, "gloo"]
+            trace_staging.label("standin", rank, 2, "inner Gloo group", rec)
+            rec.in_flight = rec.entries[-1]
+            trace_staging.staged_done(trace_staging.stage(rec, "standin", torch.ones(4), 1 - rank, torch.ones(4),
+                                                          1 - rank))
+            rec.in_flight = None
             rec.dump("test")
     ''', timeout=120)
     res.check()
+    d = pickle.loads((folder / "portspeed_trace_rank_0").read_bytes())
+    assert [e["profiling_name"] for e in d["entries"]] == ["gloo:all_reduce"]
+    assert [e["profiling_name"] for e in d["ps_staged"]] == ["gloo:send 0->1", "gloo:recv 0<-1"]
+    assert d["pg_config"]["staging:standin:0"]["desc"] == "staging group of standin (inner Gloo group)"
     out = run_python(["-m", "torch.distributed.flight_recorder.fr_trace", str(folder)], timeout=120)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -171,3 +171,17 @@ def test_unreadable_input_is_exit_2(case: str, tmp_path: Path, capsys: pytest.Ca
 
 def test_usage_is_exit_2(capsys: pytest.CaptureFixture) -> None:
     assert why_hung.main([]) == 2 and "usage: portspeed why-hung DIR" in capsys.readouterr().err
+
+
+def test_a_ccls_staging_group_is_evidence_never_the_cause(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Rank 1 skipped collective #5; rank 0's CCL is stuck in a ring step of its inner group (a send no one
+    receives): the user's skip is the cause, the inner send only evidence."""
+    inner = {"process_group": ("0/staging", "staging group of standin under group 0 (default_pg)"),
+             "ps_staging": "standin", "is_p2p": True}
+    stuck = dict(entry(5, "send", line=50, p2p=0, peer=1, rank=0, state="scheduled"), **inner)
+    done = dict(entry(4, "recv", line=10, p2p=0, peer=1, rank=0), **inner)
+    d = write(tmp_path / "d", {0: loop(4) + [done, entry(5, line=50, state="scheduled"), stuck], 1: loop(4)})
+    code, lines = ask(d, capsys)
+    assert code == 0 and lines[0].startswith("rank 1 never issued collective #5 of group 0 (default_pg)"), lines
+    assert any("rank 0: inside its CCL's staging group: send to rank 1" in x and "scheduled" in x for x in lines)
+    assert not any("staging" in x for x in lines[:1])

@@ -3,7 +3,8 @@
 Why: Gloo's default timeout is 30 minutes, and a rank stuck in Python outside any collective
 has none at all; the user wants the job ended, and the rank and collective named, in S
 seconds. Each worker's recorder (``portspeed.comm.trace``) keeps a heartbeat file in the dump
-folder whose mtime is the time of its last completed call and whose text is its pid. This
+folder whose mtime is the time of its last completed call (or, until its first call, now: start-up
+is progress) and whose text is its pid. This
 launcher-side thread reads those files once a second; when none moved for S seconds it sends
 every worker SIGUSR1 (each dumps its buffer from a thread, even while its main thread blocks
 inside a collective), waits for the dumps (at most 10 s), then SIGTERM (torchrun's agent

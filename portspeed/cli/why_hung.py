@@ -5,14 +5,19 @@ recorder); the answer is in how the ranks' sequences of collectives stop agreein
 tedious to find by hand and easy to find by machine.
 
 Reads, in DIR: portspeed's dumps (``portspeed_trace_rank_<R>``), torch's (any pickle holding
-``entries`` and ``pg_config``, named ``<prefix><R>``), and for a rank with no dump its
-write-through file (``portspeed_last_calls_<R>.txt``: every call it issued, so a rank that
-died hard still shows its last one). Then, group by group, in this order, the first finding
-is the cause:
+``pg_config``, named ``<prefix><R>``: ``torch_fr_trace_rank_<R>`` on NCCL under portspeed), and
+for a rank with no dump its write-through file (``portspeed_last_calls_<R>.txt``: every call it
+issued, so a rank that died hard still shows its last one). One recorder's numbering for all
+ranks: portspeed's where it covers as many ranks as torch's. A CCL's staging group
+(``portspeed.comm.trace_staging``) is never the cause; a rank stuck in one is shown in the
+evidence. Then, group by group, in this order, the first finding is the cause:
 
 1. at the lowest collective sequence number where the ranks disagree: another op (op
    mismatch), other input sizes or dtypes (shape / dtype mismatch), another call site (a
-   desync: a rank skipped or added a collective and the backend paired the wrong calls);
+   desync: a rank skipped or added a collective and the backend paired the wrong calls; not
+   when all issued as many and the last ones agree again: rank-dependent lines on purpose);
+   of several groups, the divergence issued first; each with the call site the odd rank
+   issued fewer calls from (the skipped call);
 2. a point-to-point send with no matching receive (or a receive with no send, or the k-th
    send and receive of a pair with other shapes);
 3. ranks that never issued collective #N that others issued (and their last entry);
@@ -58,6 +63,7 @@ class Finding:
     cause: str
     evidence: list[str]
     found: bool = True
+    when: float = 0.0  # when the diverging call was issued (ns): of several groups' divergences, the first is the cause
 
 
 # ---------------------------------------------------------------------- reading
@@ -66,11 +72,17 @@ def _op(e: dict) -> str:
     return name.split(":", 1)[-1].split(" ")[0]
 
 
+#: frames that are not the call site: torch's own distributed code (its *_object collectives, its logger
+#: wrapper: torch's recorder keeps them, innermost first) and portspeed's wrappers
+_PLUMBING = re.compile(r"[/\\](torch[/\\]distributed|portspeed[/\\]comm|wrapt)[/\\]|[/\\]patches[/\\]torch_distributed\.py$")
+
+
 def _site(e: dict) -> str:
+    """The caller's ``file:line``: the first frame outside torch.distributed and portspeed's wrappers."""
     frames = e.get("frames") or []
     if not frames:
         return "?"
-    f = frames[0]
+    f = next((x for x in frames if not _PLUMBING.search(str(x.get("filename", "")))), frames[0])
     return f"{os.path.basename(str(f.get('filename', '?')))}:{f.get('line', '?')}"
 
 
@@ -87,6 +99,7 @@ def load(folder: str) -> dict[int, dict]:
         raise Unreadable(f"{folder!r} is not a folder; give the folder the ranks dumped to (PORTSPEED_TRACE_DIR, "
                          "or the one `portspeed run` named)")
     dumps: dict[int, dict] = {}
+    found: dict[str, dict[int, dict]] = {}  # "portspeed" / "torch" -> rank -> dump
     through: dict[int, dict] = {}
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
@@ -109,12 +122,24 @@ def load(folder: str) -> dict[int, dict]:
         try:
             with open(path, "rb") as f:
                 data = pickle.load(f)
-            entries, cfg = data["entries"], data["pg_config"]
+            entries, cfg = data.get("entries", []), data["pg_config"]  # torch leaves "entries" out when empty
+            if data.get("ps_staged"):  # a CCL's inner calls (portspeed.comm.trace_staging): evidence only
+                entries = sorted([*entries, *data["ps_staged"]], key=lambda e: e.get("record_id") or 0)
         except Exception as exc:
             raise Unreadable(f"{path}: not a flight-recorder dump ({type(exc).__name__}: {exc})") from None
+        kind = "portspeed" if "ps_rank" in data else "torch"
         rank = int(data.get("ps_rank", m.group(1)))
-        dumps[rank] = {"entries": list(entries), "pg_config": dict(cfg), "reason": data.get("ps_reason", "torch dump"),
-                       "source": name}
+        found.setdefault(kind, {})[rank] = {"entries": list(entries), "pg_config": dict(cfg), "source": name,
+                                            "reason": data.get("ps_reason", "torch dump")}
+    # one recorder's numbering for every rank where possible: portspeed's (it has the call sites) unless torch's
+    # covers more ranks; a rank the chosen one lacks is read from the other, then from its write-through file
+    mine, theirs = found.get("portspeed", {}), found.get("torch", {})
+    first, second = (mine, theirs) if len(mine) >= len(theirs) else (theirs, mine)
+    for rank in sorted(set(mine) | set(theirs)):
+        d = first.get(rank) or second[rank]
+        if rank in first and rank in second:
+            d["reason"] += f" (also {second[rank]['source']}, not used)"
+        dumps[rank] = d
     for rank, d in through.items():
         dumps.setdefault(rank, d)
     if not dumps:
@@ -173,7 +198,25 @@ def _describe(e: dict | None) -> str:
 def analyse(dumps: dict[int, dict]) -> Finding:
     """The first divergence in ``dumps`` (rank -> {"entries", "pg_config"}), or a Finding with found=False."""
     cfgs = {r: d.get("pg_config", {}) for r, d in dumps.items()}
+    staged = {r: [e for e in d["entries"] if _staging(e)] for r, d in dumps.items()}
+    dumps = {r: dict(d, entries=[e for e in d["entries"] if not _staging(e)]) for r, d in dumps.items()}
     last = {r: (d["entries"][-1] if d["entries"] else None) for r, d in dumps.items()}
+    found = _first_finding(dumps, cfgs, last)
+    inside = [f"rank {r}: inside its CCL's staging group: {_op(x)} {'to' if _op(x) == 'send' else 'from'} rank "
+              f"{x.get('ps_peer')} {x.get('input_sizes')} (group {x['process_group'][0]}, under collective "
+              f"#{x.get('collective_seq_id')}), {x.get('state')}" for r, s in sorted(staged.items()) for x in s[-1:]
+              if x.get("state") != "completed"]
+    found.evidence += inside
+    return found
+
+
+def _staging(e: dict) -> bool:
+    """A call of a CCL's inner staging group (portspeed.comm.trace_staging): evidence, never the cause."""
+    name = str((e.get("process_group") or ("",))[0])
+    return bool(e.get("ps_staging")) or name.endswith("/staging") or name.startswith("staging:")
+
+
+def _first_finding(dumps: dict[int, dict], cfgs: dict[int, dict], last: dict) -> Finding:
     colls: dict[tuple, dict[int, dict[int, dict]]] = {}  # group -> rank -> seq -> entry
     p2p: dict[tuple, dict[tuple[int, int], dict[str, list]]] = {}  # group -> (src, dst) -> send/recv entries
     members: set[int] = set()
@@ -187,10 +230,10 @@ def analyse(dumps: dict[int, dict]) -> Finding:
                 p2p.setdefault(g, {}).setdefault(pair, {"send": [], "recv": []})[_op(e)].append(e)
             else:
                 colls.setdefault(g, {}).setdefault(r, {})[int(e.get("collective_seq_id", 0))] = e
-    for g, by_rank in colls.items():
-        found = _diverged(g, by_rank, last)
-        if found:
-            return found
+    issued = {r: max((int(e.get("record_id") or 0) for e in d["entries"]), default=0) for r, d in dumps.items()}
+    diverged = [f for f in (_diverged(g, by_rank, last, issued) for g, by_rank in colls.items()) if f]
+    if diverged:  # sequence numbers are per group: the divergence issued first is the cause
+        return min(diverged, key=lambda f: f.when)
     for g, pairs in p2p.items():  # before the collectives a rank stuck in a send never reached
         found = _p2p(g, pairs, last)
         if found:
@@ -213,7 +256,18 @@ def analyse(dumps: dict[int, dict]) -> Finding:
                    "from the same call sites", [f"{len(dumps)} ranks, {total} entries read"], found=False)
 
 
-def _diverged(g: tuple, by_rank: dict[int, dict[int, dict]], last: dict) -> Finding | None:
+def _heals(by_rank: dict[int, dict[int, dict]], seq: int) -> bool:
+    """Whether ranks whose call sites differ at ``seq`` (same op and shapes) took different lines on purpose:
+    every rank issued as many collectives and the last ones came from the same site (Megatron's ``if rank == 0:
+    build(); barrier() else: barrier(); build()``). A skip shifts every later pairing to the end, or leaves a rank
+    one call short."""
+    if len({max(s) for s in by_rank.values()}) > 1:
+        return False
+    last = max(set.intersection(*(set(s) for s in by_rank.values())))
+    return last > seq and len({_site(s[last]) for s in by_rank.values()}) == 1
+
+
+def _diverged(g: tuple, by_rank: dict[int, dict[int, dict]], last: dict, issued: dict[int, int]) -> Finding | None:
     name, desc, _ = g
     common = sorted(set.intersection(*(set(s) for s in by_rank.values()))) if len(by_rank) > 1 else []
     for seq in common:
@@ -222,7 +276,9 @@ def _diverged(g: tuple, by_rank: dict[int, dict[int, dict]], last: dict) -> Find
             values = {r: key(e) for r, e in at.items()}
             if len(set(values.values())) < 2 or (what == "shape/dtype mismatch" and _op(at[min(at)]) not in _UNIFORM):
                 continue
-            odd = _odd_one(values, by_rank)
+            if what == "desync" and _heals(by_rank, seq):
+                break  # rank-dependent call sites (if rank == 0: barrier() else: barrier()) that agree again after
+            odd = _odd_one(values, by_rank, issued)
             e = at[odd]
             where = f"collective #{seq} of {_gname(name, desc)}"
             if what == "desync":
@@ -233,23 +289,51 @@ def _diverged(g: tuple, by_rank: dict[int, dict[int, dict]], last: dict) -> Find
                 cause = (f"{what}: rank {odd} issued {_op(e)} {_shape(e) if what != 'op mismatch' else ''}"
                          f"{' ' if what != 'op mismatch' else ''}as {where} at {_site(e)}; the others "
                          + ", ".join(f"rank {r} {_op(x)} {_shape(x)} at {_site(x)}" for r, x in at.items() if r != odd))
+            cause += _skipped(by_rank, odd, _reference(values, odd), seq)
             evidence = [f"rank {r}: #{seq} {_op(x)} {_shape(x)} at {_site(x)}, {x.get('state')}" for r, x in at.items()]
             evidence += [f"rank {r}: issued up to #{max(s)} of {_gname(name, desc)}; last entry {_describe(last[r])}"
                          for r, s in sorted(by_rank.items())]
-            return Finding(cause, evidence)
+            return Finding(cause, evidence, when=float(e.get("time_created_ns") or 0))
     return None
+
+
+def _reference(values: dict[int, Any], odd: int) -> int:
+    """A rank of the majority the odd one disagrees with."""
+    others = [r for r in values if values[r] != values[odd]]
+    return max(others, key=lambda r: (sum(v == values[r] for v in values.values()), -r))
+
+
+def _skipped(by_rank: dict[int, dict[int, dict]], odd: int, ref: int, seq: int) -> str:
+    """Where ``odd`` issued fewer calls than ``ref`` up to ``seq`` (call site by call site): the skipped call."""
+    lo = max(min(s) for s in by_rank.values())
+
+    def counts(r: int) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        for n in range(lo, seq + 1):
+            e = by_rank[r].get(n)
+            if e is not None:
+                out[(_op(e), _site(e))] = out.get((_op(e), _site(e)), 0) + 1
+        return out
+
+    mine, theirs = counts(odd), counts(ref)
+    fewer = [(k, theirs[k] - mine.get(k, 0), mine.get(k, 0), theirs[k]) for k in theirs if mine.get(k, 0) < theirs[k]]
+    if not fewer:
+        return ""
+    return "; up to it, rank {} issued {}: the call it skipped or replaced".format(odd, ", ".join(
+        f"{d} {op} fewer from {site} ({m} against rank {ref}'s {t} in #{lo}-#{seq})" for (op, site), d, m, t in fewer))
 
 
 def _shape(e: dict) -> str:
     return f"in {e.get('input_sizes')} {e.get('input_dtypes')} out {e.get('output_sizes')} {e.get('output_dtypes')}"
 
 
-def _odd_one(values: dict[int, Any], by_rank: dict[int, dict]) -> int:
-    """The rank in the minority; on a tie the one that issued fewest collectives (it skipped one)."""
+def _odd_one(values: dict[int, Any], by_rank: dict[int, dict], issued: dict[int, int]) -> int:
+    """The rank in the minority; on a tie the one that issued fewest collectives of the group (it skipped one),
+    then the one that issued most calls in all (a rank that skipped a call went on: it is ahead)."""
     count: dict[Any, int] = {}
     for v in values.values():
         count[v] = count.get(v, 0) + 1
-    return min(values, key=lambda r: (count[values[r]], max(by_rank[r]), -r))
+    return min(values, key=lambda r: (count[values[r]], max(by_rank[r]), -issued.get(r, 0), -r))
 
 
 def _never_issued(g: tuple, by_rank: dict[int, dict[int, dict]], dumps: dict, last: dict) -> Finding | None:

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm import backends
+from portspeed.comm import backends, trace_torch
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo
@@ -87,6 +87,7 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
         args[7] = _drop_foreign_options(args[7], asked, mapped)
     elif "pg_options" in kwargs:
         kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
+    trace_torch.before_init(mapped)  # PORTSPEED_TRACE on NCCL: torch's own flight recorder too (set before the group)
     with lazy_gloo(mapped):
         result = wrapped(*args, **kwargs)
     with _lock:

@@ -28,6 +28,11 @@ Contract
   a recorded call raises, when one call stays in flight longer than ``PORTSPEED_TIMEOUT``,
   and at exit with ``PORTSPEED_TRACE_ON_EXIT=1`` (``portspeed.comm.trace_triggers``). Each writes
   ``<dir>/portspeed_trace_rank_<R>`` (a pickle, as torch's dumps) atomically.
+- The caller's frames start past ``torch.distributed``'s own (its ``*_object`` collectives call the
+  recorded functions: the entry is theirs, ``ps_via`` names the ``*_object`` function). The CCLs'
+  inner staging groups are listed and, for the stand-in, their steps recorded apart
+  (``portspeed.comm.trace_staging``); on NCCL torch's own recorder runs too
+  (``portspeed.comm.trace_torch``). Groups are held weakly (id -> weakref).
 - Write-through: each issued entry is also appended, one line (the repr of a tuple of its
   main fields, ``WRITE_THROUGH_FIELDS``), to ``<dir>/portspeed_last_calls_<R>.txt`` (one
   ``os.write``, no flush needed: the kernel keeps it when the process dies), so a rank killed
@@ -44,10 +49,11 @@ import socket
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any, Callable
 
-__all__ = ["OPS", "Recorder", "recorder", "enabled", "traced", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX", "WRITE_THROUGH_PREFIX",
-           "HANG_ENV"]
+__all__ = ["OPS", "Recorder", "recorder", "enabled", "traced", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX",
+           "WRITE_THROUGH_PREFIX", "HANG_ENV", "TORCH_DUMP_PREFIX"]
 
 log = logging.getLogger("portspeed.trace")
 
@@ -59,6 +65,8 @@ WRITE_THROUGH_PREFIX = "portspeed_last_calls_"
 WRITE_THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", "p2p_seq_id", "profiling_name",
                         "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "time_created_ns", "is_p2p",
                         "ps_peer", "ps_ranks", "ps_op", "frame_name", "frame_filename", "frame_line")
+#: torch's own dumps (NCCL, ``TORCH_FR_DUMP_TEMP_FILE``): ``<prefix><rank>``, next to portspeed's
+TORCH_DUMP_PREFIX = "torch_fr_trace_rank_"
 #: heartbeat files ``<prefix><rank>.beat`` for `portspeed run --hang-timeout`: mtime = the rank's last completion
 PROGRESS_PREFIX = "portspeed_progress_"
 #: set by `portspeed run --hang-timeout`: the workers keep their heartbeat files
@@ -93,6 +101,9 @@ OPS: dict[str, tuple[int, str, int, str, int, int, str, str]] = {
 _DTYPES = {"float32": "Float", "float16": "Half", "bfloat16": "BFloat16", "float64": "Double", "int64": "Long",
            "int32": "Int", "int16": "Short", "int8": "Char", "uint8": "Byte", "bool": "Bool"}
 _FRAMES = 4  # caller frames kept per entry
+#: torch.distributed's own folder (set by the first Recorder): frames there are skipped to reach the caller
+#: (torch's all_gather_object & co call the recorded functions; so does its logger wrapper)
+_TORCH_DIST = "\0"
 
 
 def _sizes(x: Any) -> tuple[list, list]:
@@ -113,16 +124,27 @@ class Recorder:
     """One rank's ring buffer, its per-group sequence numbers, and the files it writes."""
 
     def __init__(self, size: int, folder: str | None = None, timeout_s: float = 300.0) -> None:
+        global _TORCH_DIST
+        import torch.distributed
+
+        _TORCH_DIST = os.path.dirname(torch.distributed.__file__) + os.sep
         self.entries: collections.deque = collections.deque(maxlen=size)
         self.busy = False  # inside a recorded call: nested calls are not recorded
         self.record_id = 0
-        self.groups: dict[Any, list] = {}  # group -> [name, desc, ranks, coll seq, p2p seq, backend]
+        #: id(group) -> [name, desc, ranks, coll seq, p2p seq, backend, weakref to the group] (no strong reference:
+        #: a group kept alive here past destroy_process_group is destroyed at interpreter exit, where Gloo aborted
+        #: rank 1 of the control run in 2 of 5 tries; 0 of 4 since)
+        self.groups: dict[Any, list] = {}
         self.folder = folder
         self.timeout_s = timeout_s
         self.last_done_ns = time.time_ns()
         self.in_flight: dict | None = None  # the synchronous call under way
         self._wt_fd: int | None = None
         self._dumped_for: str | None = None
+        #: the CCLs' inner staging calls (the stand-in's ring steps), apart: they must not push the user's calls out
+        self.staged: collections.deque = collections.deque(maxlen=min(size, 256))
+        self.staging_groups: list[dict] = []  # pg_config rows of the CCLs' inner groups
+        self.torch_fr = False  # torch's own recorder is on (NCCL): a dump also writes torch's
 
     # ------------------------------------------------------------------ groups
     def _group(self, group: Any) -> list:
@@ -130,8 +152,8 @@ class Recorder:
         from torch.distributed import distributed_c10d as c10d
 
         pg = group if group is not None else c10d.GroupMember.WORLD
-        g = self.groups.get(pg)
-        if g is None:
+        g = self.groups.get(id(pg))
+        if g is None or g[6]() is not pg:  # keyed by id, held weakly: a destroyed group must die with torch's
             try:
                 name = c10d._get_process_group_name(pg)
                 ranks = dist.get_process_group_ranks(pg)
@@ -139,8 +161,12 @@ class Recorder:
                 backend = str(dist.get_backend(pg))
             except Exception:  # not initialised, or a group torch does not know: recorded as such
                 name, ranks, desc, backend = "?", [], "", "gloo"
-            g = [name, desc, ranks, 0, 0, backend.split(":")[-1]]
-            self.groups[pg] = g
+            try:
+                alive = weakref.ref(pg)
+            except TypeError:
+                alive = lambda pg=pg: pg  # noqa: E731  (None before init)
+            g = [name, desc, ranks, 0, 0, backend.split(":")[-1], alive]
+            self.groups[id(pg)] = g
         return g
 
     def forget_groups(self) -> None:
@@ -171,7 +197,11 @@ class Recorder:
             g[3] += 1
             peer = -1
             prof = f"{g[5]}:{fr}"
-        frames, f = [], sys._getframe(2)
+        frames, f, via = [], sys._getframe(2), ""
+        while f is not None and f.f_code.co_filename.startswith(_TORCH_DIST):  # all_gather_object & co: their caller
+            if f.f_code.co_name not in ("wrapper", "_fn"):  # torch's logging / compile decorators
+                via = f.f_code.co_name
+            f = f.f_back
         while f is not None and len(frames) < _FRAMES:
             code = f.f_code
             frames.append({"name": code.co_name, "filename": code.co_filename, "line": f.f_lineno})
@@ -183,6 +213,8 @@ class Recorder:
              "retired": False, "timeout_ms": int(self.timeout_s * 1000), "is_p2p": pp >= 0, "frames": frames,
              "ps_op": name, "ps_peer": peer, "ps_device": _device(x if x is not None else y), "ps_async": False,
              "ps_ranks": g[2]}
+        if via:
+            e["ps_via"] = via  # the torch function that made this call (all_gather_object, broadcast_object_list...)
         self.entries.append(e)
         self.in_flight = e
         if self._wt_fd is not None:
@@ -259,10 +291,17 @@ class Recorder:
             rank = _rank()
             entries = [dict(e) for e in list(self.entries)]
             pg_config = {g[0]: {"name": g[0], "desc": g[1], "ranks": str(list(g[2]))} for g in list(self.groups.values())}
+            pg_config.update({g["name"]: dict(g) for g in self.staging_groups})
+            for e in list(self.staged):  # the inner group under each user group, as its entries name it
+                pg_config.setdefault(e["process_group"][0], {"name": e["process_group"][0],
+                                                             "desc": e["process_group"][1], "ranks": str(e["ps_ranks"]),
+                                                             "ps_staging": e["ps_staging"]})
             data = {"version": VERSION, "pg_config": pg_config, "pg_status": {}, "comm_lib_version": "",
                     "entries": entries, "ps_rank": rank, "ps_reason": reason, "ps_time_ns": time.time_ns(),
                     "ps_pid": os.getpid(), "ps_host": socket.gethostname(),
-                    "ps_last_done_ns": self.last_done_ns}
+                    "ps_last_done_ns": self.last_done_ns,
+                    # the CCLs' inner calls, apart from torch's "entries" (its reader would pair them as the user's)
+                    "ps_staged": [dict(e) for e in list(self.staged)]}
             folder = self.folder_now()
             path = os.path.join(folder, f"{DUMP_PREFIX}{rank}")
             tmp = f"{path}.tmp{os.getpid()}"
@@ -270,6 +309,10 @@ class Recorder:
                 pickle.dump(data, f)
             os.replace(tmp, path)
             self._dumped_for = reason
+            if self.torch_fr:
+                from portspeed.comm.trace_torch import dump_torch
+
+                dump_torch(folder, rank)
             print(f"portspeed trace: rank {rank} dumped {len(entries)} entries ({reason}) to {path}",
                   file=sys.stderr, flush=True)
             return path

@@ -6,8 +6,9 @@ in one daemon thread (``_watch``). The thread reads the signal-wakeup pipe, so S
 even while the main thread blocks inside a collective (a Python signal handler would wait for
 the collective to return); on SIGTERM it dumps, then the process dies of SIGTERM as it would
 have (the launcher still reads "killed by SIGTERM"). It also keeps the heartbeat file that
-`portspeed run --hang-timeout` watches (``portspeed.cli.hang_watch``), and dumps once when one
-call stays in flight longer than ``PORTSPEED_TIMEOUT``.
+`portspeed run --hang-timeout` watches (``portspeed.cli.hang_watch``; touched every second until
+the rank's first call, so a slow start-up is not a hang), and dumps once when one call stays in
+flight longer than ``PORTSPEED_TIMEOUT``.
 
 Limit: a program that installs its own signal-wakeup fd (asyncio in the main thread) takes
 the pipe away; SIGTERM is then handled in the main thread only, SIGUSR1 not at all.
@@ -75,7 +76,7 @@ def _watch(rec: Recorder, wake: int | None) -> None:
         with open(beat, "w") as f:
             f.write(str(os.getpid()))
         atexit.register(_remove, beat)  # a rank that ends is not waited for
-    seen_done, asked = 0, -1e9
+    seen_done, asked, started_ns = 0, -1e9, 0
     while True:
         ready = select.select([wake], [], [], 1.0)[0] if wake is not None else time.sleep(1.0)
         if ready:
@@ -86,12 +87,17 @@ def _watch(rec: Recorder, wake: int | None) -> None:
             if signal.SIGTERM in got and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
                 _term(rec, asked)
                 _die_of_sigterm()
-        if beat is not None and rec.last_done_ns != seen_done:
-            seen_done = rec.last_done_ns
-            try:
-                os.utime(beat, ns=(seen_done, seen_done))
-            except OSError:
-                pass
+        if beat is not None:
+            # before its first call a rank is starting up (imports, model build): that counts as progress
+            if rec.record_id == 0:
+                started_ns = time.time_ns()
+            done = max(rec.last_done_ns, started_ns)
+            if done != seen_done:
+                seen_done = done
+                try:
+                    os.utime(beat, ns=(done, done))
+                except OSError:
+                    pass
         e = rec.in_flight
         if e is not None and time.time_ns() - e["time_created_ns"] > rec.timeout_s * 1e9 \
                 and rec._dumped_for != "timeout":

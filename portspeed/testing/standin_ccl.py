@@ -43,6 +43,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from portspeed.adapters.cpu import CpuAccelerator
+from portspeed.comm import trace_staging
 from portspeed.comm.capabilities import BackendGaps, op_type
 
 __all__ = ["BACKEND_NAME", "StandinAccelerator", "StandinProcessGroup", "register"]
@@ -82,6 +83,8 @@ class StandinProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._p2p = dist.ProcessGroupGloo(dist.PrefixStore("standin-p2p", store), rank, size, timeout)
+        # the flight recorder (PORTSPEED_TRACE) lists the inner group as staging and records its ring steps
+        self._trace = trace_staging.label(BACKEND_NAME, rank, size, "inner Gloo group of its ring collectives")
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME
@@ -120,12 +123,15 @@ class StandinProcessGroup(dist.ProcessGroup):
     # ------------------------------------------------------------------ ring primitives
     def _exchange(self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int) -> None:
         works = []
+        staged = trace_staging.stage(self._trace, BACKEND_NAME, send, dst, recv, src) if self._trace else None
         if send is not None and send.numel():
             works.append(self._p2p.send([send], dst, _TAG))
         if recv is not None and recv.numel():
             works.append(self._p2p.recv([recv], src, _TAG))
         for w in works:
             w.wait()
+        if staged:
+            trace_staging.staged_done(staged)
 
     def _ring_reduce_scatter(self, chunks: list[torch.Tensor], op: Any) -> None:
         """In place: afterwards chunks[rank] holds the reduction of every rank's chunks[rank]."""
@@ -317,6 +323,13 @@ class StandinProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         return self._p2p.recv_anysource(tensors, tag)
+
+    # torch before 2.13 calls these names (run on 2.6.0 and 2.8.0: a Python group is the group itself there)
+    _allgather_base = all_gather_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    alltoall_base = all_to_all_single
 
 
 def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> StandinProcessGroup:

@@ -1,0 +1,83 @@
+"""A rank that skips one all_reduce inside Megatron's tensor-parallel forward is named, with Megatron's line.
+
+The planted fault (tests/data/trace_megatron_skip.py): the example trainer on real megatron-core,
+TP2 on 2 ranks (CPU adapter, Gloo), with ``megatron.core.tensor_parallel.mappings._reduce``
+wrapped so that rank 1 returns its 3rd call's input unreduced. Gloo then pairs rank 1's later
+calls with rank 0's earlier ones until two of them differ in shape (the vocab-parallel loss's
+all_reduce against the next layer's); the job must end (the run's kill bound is the hang timeout
+plus start-up, not a timed assertion) and `portspeed run`'s closing lines must name rank 1, the
+op, the TP group, the sequence number, the skipped call's site in Megatron's mappings.py, and the
+dump folder, with no rank left running.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+from helpers.launch import REPO, free_port, run_python
+
+pytestmark = [pytest.mark.megatron]
+
+SCRIPT = REPO / "tests" / "data" / "trace_megatron_skip.py"
+HANG_S = 10
+BOUND = 240  # kill bound: start-up of 2 Megatron ranks on a loaded 2-core machine + HANG_S + dumps
+
+
+def _reduce_site() -> str:
+    """``mappings.py:LINE`` of the all_reduce in Megatron's ``_reduce``, read from the installed source (parsed,
+    not imported: megatron.core's import takes seconds)."""
+    spec = importlib.util.find_spec("megatron")
+    assert spec is not None and spec.submodule_search_locations, "megatron-core is not installed"
+    path = Path(list(spec.submodule_search_locations)[0]) / "core" / "tensor_parallel" / "mappings.py"
+    fn = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "_reduce")
+    hits = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "all_reduce"]
+    assert len(hits) == 1, hits
+    return f"mappings.py:{hits[0]}"
+
+
+def _alive_with(port: int) -> list[int]:
+    """Processes still running whose command line carries this job's master port."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if f"--master-port {port}" in cmd and state != "Z" and int(pid) != os.getpid():
+            out.append(int(pid))
+    return out
+
+
+def test_skipped_all_reduce_in_megatron_tp2_forward_is_named(tmp_path: Path) -> None:
+    folder, port = tmp_path / "dumps", free_port()
+    res = run_python(["-m", "portspeed.cli", "run", "--hang-timeout", str(HANG_S), "--nproc-per-node", "2",
+                      "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT),
+                      "--tp", "2", "--iters", "2", "--num-layers", "2"],
+                     timeout=BOUND, env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_TRACE_DIR": str(folder)},
+                     drop=["PORTSPEED_TRACE", "PORTSPEED_TRACE_ON_EXIT"])
+    text = res.stdout + res.stderr
+    assert res.returncode == 1, text[-4000:]
+    assert "trace_megatron_skip: rank 1 skips _reduce call 3" in text, text[-4000:]
+    lines = [x for x in res.stderr.splitlines() if x.startswith("portspeed run:")]
+    why = [x for x in lines if x.startswith("portspeed run: why-hung: ")]
+    assert why, text[-4000:]
+    cause = why[0]
+    m = re.search(r"rank 1 issued all_reduce .* as collective #(\d+) of group \d+ \(TENSOR_MODEL_PARALLEL_GROUP\)",
+                  cause)
+    assert m, cause
+    seq = m.group(1)
+    site = _reduce_site()
+    assert "the others rank 0 all_reduce" in cause and f"at {site}" in cause, cause
+    assert re.search(rf"rank 1 issued 1 all_reduce fewer from {re.escape(site)} \(\d+ against rank 0's \d+ in "
+                     rf"#\d+-#{seq}\): the call it skipped or replaced", cause), cause
+    assert lines[-1].startswith(f"portspeed run: flight-recorder dumps in {folder}"), lines[-3:]
+    assert lines.index(cause) < len(lines) - 1
+    assert (folder / "portspeed_trace_rank_0").exists() or (folder / "portspeed_last_calls_0.txt").exists()
+    assert (folder / "portspeed_trace_rank_1").exists() or (folder / "portspeed_last_calls_1.txt").exists()
+    assert not _alive_with(port), _alive_with(port)

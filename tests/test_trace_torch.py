@@ -1,0 +1,78 @@
+"""torch's own flight recorder next to portspeed's: turned on for NCCL before the group exists, read by why-hung.
+
+What CI can check without an NVIDIA GPU: the settings ``portspeed.comm.trace_torch`` chooses (NCCL
+only, the user's own never overridden, dumps into PORTSPEED_TRACE_DIR under the name why-hung
+reads); that ``init_process_group`` sets them before torch creates the group (a CPU torch, the CPU
+adapter told its backend is NCCL: the group cannot be made, the settings are already there); and that
+`portspeed why-hung` reads dumps written by torch's own writer (its Gloo recorder, 2 ranks, a real
+desync). Not checked here: an NCCL run's own dump on timeout (docs/reliability.md says so).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers.launch import REPO, child_json, torchrun
+
+from portspeed.cli import why_hung
+from portspeed.comm.trace import TORCH_DUMP_PREFIX
+from portspeed.comm.trace_torch import TORCH_FR_ENV, torch_recorder_env
+
+SCRIPT = REPO / "tests" / "data" / "torch_fr_desync.py"
+
+
+def _site(tag: str) -> str:
+    for n, line in enumerate(SCRIPT.read_text().splitlines(), 1):
+        if line.rstrip().endswith(f"# site: {tag}"):
+            return f"torch_fr_desync.py:{n}"
+    raise AssertionError(tag)
+
+
+def test_settings_only_for_nccl_and_never_over_the_users() -> None:
+    env: dict[str, str] = {}
+    assert torch_recorder_env("gloo", 100, "/d", env) == {} and env == {}
+    assert torch_recorder_env("standin", 100, "/d", env) == {} and env == {}
+    got = torch_recorder_env("cpu:gloo,cuda:nccl", 100, "/d", env)
+    assert set(got) == set(TORCH_FR_ENV) and env == got
+    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "100"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"/d/{TORCH_DUMP_PREFIX}" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    mine = {"TORCH_FR_BUFFER_SIZE": "7"}
+    got = torch_recorder_env("nccl", 100, "/d", mine)
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "7" and "TORCH_FR_BUFFER_SIZE" not in got
+
+
+def test_settings_are_in_place_before_torch_makes_the_nccl_group(tmp_path: Path) -> None:
+    got = child_json(f'''
+        import json, os, torch.distributed as dist
+        import portspeed
+        from portspeed.adapters.cpu import CpuAccelerator
+        from patches.torch_distributed import PATCHES
+        portspeed.set_accelerator(CpuAccelerator(backend="nccl"))  # the CPU adapter told its CCL is NCCL
+        m = portspeed.PatchManager(); m.register(PATCHES); m.apply()
+        before = {{k: os.environ.get(k) for k in {TORCH_FR_ENV!r}}}
+        try:  # a CPU build of torch has no NCCL: the group cannot be made, after the settings were set
+            dist.init_process_group("nccl", rank=0, world_size=1, init_method="tcp://127.0.0.1:1")
+            error = ""
+        except Exception as exc:
+            error = type(exc).__name__ + ": " + str(exc)[:200]
+        from portspeed.comm import trace
+        print(json.dumps({{"before": before, "after": {{k: os.environ.get(k) for k in {TORCH_FR_ENV!r}}},
+                          "error": error, "torch_fr": trace.recorder().torch_fr}}))
+    ''', timeout=180, env={"PORTSPEED_TRACE": "64", "PORTSPEED_TRACE_DIR": str(tmp_path)},
+        drop=list(TORCH_FR_ENV))
+    assert got["before"] == {k: None for k in TORCH_FR_ENV}, got
+    assert "NCCL" in got["error"] or "nccl" in got["error"], got  # the group was really asked for, on NCCL
+    assert got["after"]["TORCH_FR_BUFFER_SIZE"] == "64" and got["torch_fr"], got
+    assert got["after"]["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / TORCH_DUMP_PREFIX), got
+
+
+def test_why_hung_reads_dumps_written_by_torchs_own_recorder(tmp_path: Path) -> None:
+    res = torchrun(str(SCRIPT), 2, timeout=180, env={"TORCH_FR_BUFFER_SIZE": "100", "DUMP_DIR": str(tmp_path)})
+    res.check()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{TORCH_DUMP_PREFIX}0", f"{TORCH_DUMP_PREFIX}1"]
+    code, lines = why_hung.answer(str(tmp_path))
+    assert code == 0, lines
+    assert lines[0].startswith(f"desync: rank 1 issued all_reduce collective #4 of group 0 (default_pg) from "
+                               f"{_site('after')}, the others from {_site('loop')}"), lines
+    assert f"rank 1 issued 1 all_reduce fewer from {_site('loop')}" in lines[0], lines
+    assert lines[-1].strip() == "dumps: rank 0: torch dump, rank 1: torch dump", lines
