@@ -23,6 +23,14 @@ clipped-ratio policy updates on it. ``--loss-log`` records every update's loss a
 ``--logprob-log`` records every token's negative log-prob (one entry per token, in global batch
 order): both are portspeed loss records, so ``portspeed compare A B`` compares two layouts.
 
+``--dp-wrapper`` picks the data-parallel wrapper as Megatron-LM's flags do: ``ddp`` (Megatron's
+DDP, the default), ``megatron-fsdp`` (megatron-core's ``FullyShardedDataParallel`` with the
+distributed optimizer, sharding per ``--data-parallel-sharding-strategy``: ``no_shard``, ``optim``,
+``optim_grads``, ``optim_grads_params``) or ``fsdp2`` (``TorchFullyShardedDataParallel``: torch's
+``fully_shard``; needs ``--untie-embeddings-and-output-weights``). A set-up the installed
+megatron-core cannot train is refused at start-up naming the flag and the upstream defect
+(docs/megatron-core-loop.md, "Megatron-FSDP and torch FSDP2").
+
 Checkpoints (``dist_checkpointing``, any layout loads any other's): ``--save-init DIR`` writes
 the weights before training (the shared start of a parity run), ``--init DIR`` starts from
 such weights, ``--save DIR`` writes model, optimizer and step after the last step, and
@@ -58,6 +66,8 @@ from portspeed.megatron_adaptor import open_loss_log
 from portspeed.parity.losslog import IterationLoss
 
 CLIP = 0.2  # PPO's ratio clip
+WRAPPERS = ("ddp", "megatron-fsdp", "fsdp2")
+SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # Megatron-FSDP's, as Megatron-LM names them
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--dp-wrapper", choices=WRAPPERS, default="ddp",
+                   help="data-parallel wrapper: Megatron's DDP (default), Megatron-FSDP, or torch FSDP2 "
+                        "(megatron-core's TorchFullyShardedDataParallel over torch's fully_shard)")
+    p.add_argument("--data-parallel-sharding-strategy", choices=SHARDING, default="no_shard",
+                   help="with --dp-wrapper megatron-fsdp: what Megatron-FSDP shards across the DP ranks")
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate output layer (torch FSDP2 requires it, as Megatron-LM's --use-torch-fsdp2 does)")
     p.add_argument("--steps", type=int, default=3, help="rollout steps (each: log-probs, then --ppo-epochs updates)")
     p.add_argument("--ppo-epochs", type=int, default=2, help="policy updates per rollout batch")
     p.add_argument("--num-layers", type=int, default=2)
@@ -95,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append("--num-layers must be divisible by --pp and --vocab-size by --tp")
     if args.init and args.resume:
         problems.append("--init (weights only) and --resume (a full checkpoint) exclude each other")
+    problems += fsdp_refusals(args)
     if problems:
         p.error("; ".join(problems))
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * args.dp)
@@ -112,8 +130,8 @@ def init_distributed(args: argparse.Namespace) -> None:
     model_parallel_cuda_manual_seed(args.seed)
 
 
-def build(args: argparse.Namespace) -> tuple[list[DistributedDataParallel], Any]:
-    """GPTModel (TE spec) -> .cuda() -> Megatron DDP -> Megatron's optimizer, with the schedule's hooks."""
+def build(args: argparse.Namespace) -> tuple[list[torch.nn.Module], Any]:
+    """GPTModel (TE spec) -> .cuda() -> the DP wrapper -> Megatron's optimizer, with the schedule's hooks."""
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         ffn_hidden_size=4 * args.hidden_size, tensor_model_parallel_size=args.tp,
@@ -122,17 +140,68 @@ def build(args: argparse.Namespace) -> tuple[list[DistributedDataParallel], Any]
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
                      vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                     share_embeddings_and_output_weights=True)
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
     model.model_type = ModelType.encoder_or_decoder
     model.cuda(torch.cuda.current_device())  # the user's own CUDA call, as Megatron-LM's get_model does
-    ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer))
+    distopt = args.use_distributed_optimizer or args.dp_wrapper == "megatron-fsdp"  # Megatron-FSDP needs it
+    wrapped = wrap(args, config, model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, params_dtype=torch.float32, clip_grad=1.0,
-                        use_distributed_optimizer=args.use_distributed_optimizer), [ddp])
+                        use_distributed_optimizer=distopt), [wrapped])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    return [ddp], optimizer
+    return [wrapped], optimizer
+
+
+def wrap(args: argparse.Namespace, config: TransformerConfig, model: GPTModel) -> torch.nn.Module:
+    """Megatron's DDP, Megatron-FSDP (``--data-parallel-sharding-strategy``) or torch FSDP2, as Megatron-LM's
+    get_model builds them for --use-megatron-fsdp / --use-torch-fsdp2."""
+    if args.dp_wrapper == "fsdp2":
+        from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+        return TorchFullyShardedDataParallel(config=config, module=model,
+                                             ddp_config=TorchFullyShardedDataParallelConfig())
+    if args.dp_wrapper == "megatron-fsdp":
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=args.data_parallel_sharding_strategy))
+    return DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer))
+
+
+def fsdp_refusals(args: argparse.Namespace) -> list[str]:
+    """What this loop does not do with an FSDP wrapper, each naming the flag and why (empty: nothing)."""
+    if args.dp_wrapper == "ddp":
+        return [] if args.data_parallel_sharding_strategy == "no_shard" else [
+            "--data-parallel-sharding-strategy is Megatron-FSDP's: give --dp-wrapper megatron-fsdp with it"]
+    flag, out = f"--dp-wrapper {args.dp_wrapper}", []
+    for opt in ("save_init", "init", "save", "resume"):
+        if getattr(args, opt):
+            out.append(f"{flag} with --{opt.replace('_', '-')}: this example checkpoints Megatron DDP's "
+                       f"sharded_state_dict (torch_dist); FSDP checkpoints (fsdp_dtensor, torch_dcp) are not wired "
+                       f"into it: use --dp-wrapper ddp for checkpoints")
+    if args.pp > 1:
+        out.append(f"{flag} with --pp {args.pp}: not wired into this example (Megatron-LM refuses "
+                   f"--use-torch-fsdp2 with pipeline parallelism); use --pp 1")
+    if args.dp_wrapper == "fsdp2":
+        if args.use_distributed_optimizer:
+            out.append(f"{flag} with --use-distributed-optimizer: FSDP2 shards the optimizer state itself "
+                       f"(Megatron-LM refuses the pair too); drop --use-distributed-optimizer")
+        if not args.untie_embeddings_and_output_weights:
+            out.append(f"{flag} needs --untie-embeddings-and-output-weights (as Megatron-LM's --use-torch-fsdp2 "
+                       f"does): the embedding and the output layer are separate fully_shard units, which cannot "
+                       f"share one weight")
+    # upstream defects of the installed megatron-core: named now, before any process group (portspeed refuses the
+    # same at start-up for any script: patches/megatron/core_fsdp_refusals.py)
+    from portspeed.patches.megatron.core_fsdp_refusals import megatron_fsdp_defect, torch_fsdp2_defect
+
+    defect = torch_fsdp2_defect() if args.dp_wrapper == "fsdp2" else \
+        megatron_fsdp_defect(True, args.data_parallel_sharding_strategy)
+    if defect:
+        out.append(f"{flag}: {defect}")
+    return out
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -260,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     logprobs = open_loss_log(args.logprob_log, layout, "fp32", dist.get_backend()) if reporter else None
     for record in (r for r in (losses, logprobs) if r is not None):
         record.record.meta["real_backend"] = ps_comm.real_backend()  # get_backend() answers "nccl", as asked
+        record.record.meta["dp_wrapper"] = args.dp_wrapper + (
+            f" {args.data_parallel_sharding_strategy}" if args.dp_wrapper == "megatron-fsdp" else "")
     tokens_per_step = args.global_batch_size * args.seq_length
     for step in range(start + 1, start + args.steps + 1):
         old = compute_log_probs(args, model, step)
