@@ -8,8 +8,8 @@ subclasses what it finds there. ``build(version)`` makes those modules, each mar
 ``__portspeed_portable__`` and documented as portspeed's; a submodule or name not in the tree
 (``cpu_offload``, ``permutation``, ``cross_entropy``, ``cpp_extensions``, ``router``,
 ``optimizers``, ``attention._SplitAlongDim``, ...) is not served, so Megatron's own
-``except ImportError`` fallbacks run, as without Transformer Engine. ``te.pytorch.ops`` (the operation-fuser API) and
-the fp8 recipes exist only to refuse, naming the flag.
+``except ImportError`` fallbacks run, as without Transformer Engine. ``te.pytorch.ops`` (the operation-fuser API),
+the fp8 recipes and ``TransformerLayer`` (TE's fused whole layer) exist only to refuse, naming the option.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import contextlib
 import enum
 import types
 from typing import Any, Iterator
+
+import torch
 
 from . import attention, grouped, linear, norms, rng, rope
 from .refuse import refuse
@@ -88,6 +90,27 @@ class _Op:
                "--use-transformer-engine-op-fuser)", "drop those flags")
 
 
+class TransformerLayer(torch.nn.Module):
+    """Refused: TE's fused whole-layer module (Megatron-Bridge's ``use_transformer_engine_full_layer_spec``).
+
+    Served so that the name exists, and refused where it is used: Megatron-Bridge subclasses it
+    in ``models/gpt_full_te_layer_autocast_spec.py``, which it imports only when the provider asks
+    for the full-layer spec; the subclass statement is that moment (its ``__init__`` asks the
+    ``transformer-engine`` distribution's version before building the layer, so a refusal at
+    construction would come too late). The package and the default TE layer spec are unaffected.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        refuse("Transformer Engine's fused transformer_engine.pytorch.TransformerLayer (Megatron-Bridge's "
+               "use_transformer_engine_full_layer_spec=True)",
+               "leave use_transformer_engine_full_layer_spec False: the Bridge's default Transformer Engine layer "
+               "spec runs on the portable layers")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse("Transformer Engine's fused transformer_engine.pytorch.TransformerLayer",
+               "build the layer from Megatron's Transformer Engine layer spec instead")
+
+
 def _ops_getattr(name: str) -> Any:
     """Any te.pytorch.ops name is a class (Megatron names some in annotations) that refuses when built."""
     if name.startswith("__"):
@@ -127,6 +150,7 @@ def build(version: str) -> dict[str, types.ModuleType]:
     pytorch = _module("transformer_engine.pytorch", "the layers", Linear=linear.Linear,
                       LayerNormLinear=linear.LayerNormLinear, LayerNorm=norms.LayerNorm, RMSNorm=norms.RMSNorm,
                       DotProductAttention=attention.DotProductAttention, GroupedLinear=grouped.GroupedLinear,
+                      TransformerLayer=TransformerLayer,
                       fp8=fp8, distributed=distributed, ops=ops, attention=attention_pkg, fp8_autocast=fp8_autocast,
                       fp8_model_init=fp8_model_init, checkpoint=rng.checkpoint)
     recipe = _module("transformer_engine.common.recipe", "fp8 recipes (refused)", DelayedScaling=DelayedScaling,

@@ -3,8 +3,9 @@
 The decision: ``transformer_engine`` is served only
 
 1. to the Megatron modules that build or query the TE layers (``IMPORTERS``: the TE
-   extension, the TE spec provider, the GPT / MoE layer specs, and ``megatron.core.utils``,
-   whose ``get_te_version`` answers ``is_te_min_version``), and to a module that already holds
+   extension, the TE spec provider, the GPT / MoE layer specs, ``megatron.core.utils``,
+   whose ``get_te_version`` answers ``is_te_min_version``, and the two Megatron-Bridge modules
+   that import ``transformer_engine.pytorch`` unguarded), and to a module that already holds
    ``HAVE_TE = True`` imported from one of them (it was told TE is there before asking), through the scoped import the
    translation gives framework modules; it is never put in ``sys.modules``, so every other
    Megatron module (``tensor_parallel.random``, ``moe_utils``, the optimizers, ``fp8_utils``,
@@ -42,6 +43,9 @@ IMPORTERS: frozenset[str] = frozenset({
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.models.gpt.moe_module_specs",
     "megatron.core.utils",
+    # Megatron-Bridge: the two modules that import transformer_engine.pytorch unguarded (docs/megatron-core-loop.md)
+    "megatron.bridge.peft.lora_layers",
+    "megatron.bridge.models.gpt_full_te_layer_autocast_spec",
 })
 _TOP = "transformer_engine"
 _lock = threading.Lock()
