@@ -13,6 +13,8 @@ asserted; it prints a table (and ``--json`` writes the rows).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cp_ring.py                      # CP4, 8k, 16 heads, hd 64
     OMP_NUM_THREADS=1 python benchmarks/bench_cp_ring.py --cp 2 --seq 2048    # quick
+    OMP_NUM_THREADS=1 python benchmarks/bench_cp_ring.py --seq 4096 --dropout 0.1  # attention dropout (training)
+    OMP_NUM_THREADS=1 python benchmarks/bench_cp_ring.py --thd 4                # 4 packed sequences (thd)
 """
 
 from __future__ import annotations
@@ -55,14 +57,21 @@ def _worker(args: argparse.Namespace) -> None:
         q, k, v = (torch.randn(local, args.batch, args.heads, args.head_dim, generator=gen, dtype=dtype)
                    .requires_grad_() for _ in range(3))
         grad = torch.randn(local, args.batch, args.heads * args.head_dim, generator=gen, dtype=dtype)
-        module = attention.DotProductAttention(args.heads, args.head_dim, attn_mask_type="causal", cp_group=group,
-                                               cp_global_ranks=list(range(cp)), cp_comm_type=args.comm)
+        fmt = {"qkv_format": "thd", "attn_mask_type": "padding_causal"} if args.thd else {"attn_mask_type": "causal"}
+        module = attention.DotProductAttention(args.heads, args.head_dim, cp_group=group, attention_dropout=args.dropout,
+                                               cp_global_ranks=list(range(cp)), cp_comm_type=args.comm, **fmt)
+        if args.thd:  # equal sequences packed back to back: [t, h, d], the global cu_seqlens
+            q, k, v = (t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v))
+            grad = grad.flatten(0, 1)
+            n = args.thd if seq == args.seq else 1
+            module.packed = {key: torch.arange(0, seq * args.batch + 1, seq * args.batch // n, dtype=torch.int32)
+                             for key in ("cu_seqlens_q", "cu_seqlens_kv")}
         return module, q, k, v, grad
 
     def step(module: Any, q: Any, k: Any, v: Any, grad: Any) -> float:
         dist.barrier()
         t = time.perf_counter()
-        module(q, k, v).backward(grad)
+        module(q, k, v, **getattr(module, "packed", {})).backward(grad)
         dist.barrier()
         return time.perf_counter() - t
 
@@ -88,7 +97,8 @@ def _run_arm(arm: str, args: argparse.Namespace) -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.cp), "--master-addr",
                "127.0.0.1", "--master-port", str(_free_port()), __file__, "--worker", "--arm", arm, "--comm",
                ARMS[arm], "--seq", str(args.seq), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
-               "--batch", str(args.batch), "--dtype", args.dtype, "--out", out]
+               "--batch", str(args.batch), "--dtype", args.dtype, "--dropout", str(args.dropout), "--thd",
+               str(args.thd), "--out", out]
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.setdefault("PORTSPEED_ACCELERATOR", "cpu")
@@ -107,6 +117,8 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout (the module in training mode)")
+    ap.add_argument("--thd", type=int, default=0, help="pack the batch as N equal sequences (qkv_format thd)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", type=Path, help="write the rows here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -120,7 +132,9 @@ def main() -> None:
     rows = {arm: _run_arm(arm, args) for arm in ARMS}
     kernels = os.environ.get("PORTSPEED_TE_KERNELS", "default (vendor -> torch -> reference)")
     print(f"CP{args.cp}, sequence {args.seq}, b {args.batch}, {args.heads} heads, head dim {args.head_dim}, "
-          f"{args.dtype}, causal, one thread per rank, Gloo; kernels: {kernels}")
+          f"{args.dtype}, causal, attention dropout {args.dropout}, "
+          f"{f'{args.thd} packed sequences (thd)' if args.thd else 'sbhd'}, one thread per rank, Gloo; "
+          f"kernels: {kernels}")
     print(f"{'arm':<11} {'per-rank peak - baseline (MB)':<34} {'max (MB)':>9} {'step s (max)':>13}")
     worst = {}
     for arm, rs in rows.items():

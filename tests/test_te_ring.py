@@ -7,7 +7,13 @@
   form (``"all_gather"``) and the single-process attention (CP1) within 1e-5 in float32, output and
   q / k / v gradients, causal and not, MHA and GQA, with the registry's block kernels (torch's and
   the reference); a planted merge error (no log-sum-exp correction) and a planted chunk-order error
-  (earlier- and later-rank blocks swapped) each break the comparison, which proves the ring ran.
+  (earlier- and later-rank blocks swapped) each break the comparison, which proves the ring ran;
+  the same for packed ``thd`` sequences (8 and 16 tokens, every sequence split in 2 cp chunks as
+  TE's ``thd_get_partitioned_indices`` does); attention dropout inside the ring (``sbhd`` and
+  ``thd``) equals the CP1 attention given the masks the ring drew (``_check_dropout``);
+- four ranks (TP2 x CP2, Gloo): Megatron's ``TEDotProductAttention`` under
+  ``initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)``, ring =
+  all-gather = TP1/CP1 (``sbhd`` and ``thd``, GQA, causal), a planted merge error breaking it.
 """
 
 from __future__ import annotations
@@ -59,22 +65,34 @@ def test_one_message_packs_mixed_dtypes() -> None:
 
 
 def test_which_form_serves_context_parallelism(caplog: pytest.LogCaptureFixture) -> None:
-    """p2p and a2a take the ring, all_gather the all-gather form; active dropout and a causal mask over unequal
-    query/key lengths fall back to the all-gather form, each said once (dropout is never dropped)."""
+    """p2p and a2a take the ring, all_gather the all-gather form; active dropout runs in the ring (said once); a
+    causal mask over unequal query/key lengths falls back to the all-gather form, said once."""
     ring._told.clear()
     assert ring.ring_serves("p2p", "causal", 0.0, 8, 8) and ring.ring_serves("a2a", "no_mask", 0.0, 8, 8)
     assert ring.ring_serves(None, "causal", 0.0, 8, 8)  # TE's default cp_comm_type is p2p
     assert not ring.ring_serves("all_gather", "causal", 0.0, 8, 8)
+    assert not ring.ring_serves("all_gather", "causal", 0.1, 8, 8)
     assert ring.ring_serves("p2p", "no_mask", 0.0, 8, 4)
-    with caplog.at_level("WARNING", logger="portspeed.portable_te"):
-        assert not ring.ring_serves("p2p", "causal", 0.1, 8, 8)
-        assert not ring.ring_serves("p2p", "causal", 0.1, 8, 8)
+    with caplog.at_level("INFO", logger="portspeed.portable_te"):
+        assert ring.ring_serves("p2p", "causal", 0.1, 8, 8)
+        assert ring.ring_serves("p2p", "causal", 0.1, 8, 8)
         assert not ring.ring_serves("p2p", "causal", 0.0, 8, 4)
     said = [r.getMessage() for r in caplog.records]
     assert sum("attention dropout" in m for m in said) == 1, said
     assert sum("as many queries as keys" in m for m in said) == 1, said
     with pytest.raises(ValueError, match="divisible by 2 x the context-parallel size"):
         ring.ring_attention(*(torch.zeros(1, 2, 5, 4) for _ in range(3)), None, causal=True, scale=1.0)
+
+
+def test_packed_sequence_lengths_must_split_into_2cp_chunks() -> None:
+    """With CP every packed sequence is split in 2 cp chunks (TE asserts it too): other lengths are refused by name,
+    not floor-divided into misaligned chunks."""
+    from portspeed.portable_te.packed import packed_attention
+
+    t = torch.zeros(7, 2, 4)
+    cu = torch.tensor([0, 8, 14], dtype=torch.int32)  # 14 - 8 = 6 tokens: not a multiple of 4
+    with pytest.raises(ValueError, match=r"multiple of 2 x the context-parallel size \(4\).*\[6\]"):
+        packed_attention(t, t, t, "padding_causal", 1.0, None, cu, cu, cp_size=2, cp_rank=0, cp_comm_type="p2p")
 
 
 _CP2 = textwrap.dedent(
@@ -141,6 +159,139 @@ _CP2 = textwrap.dedent(
                 out[f"{case} {name}-vs-cp1"] = [(a - b).abs().max().item() for a, b in zip(tensors, ref)]
             out[f"{case} ring-vs-allgather"] = [(a - b).abs().max().item()
                                                 for a, b in zip(got["ring"], got["allgather"])]
+    # packed sequences (thd) of 8 and 16 tokens: rank r holds chunks r and 2cp-1-r of EVERY sequence, sequences
+    # back to back (TE's thd_get_partitioned_indices, as Megatron's get_thd_batch_on_this_cp_rank splits them)
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    local = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        c2 = (b - a) // (2 * cp)
+        local += list(range(a + rank * c2, a + (rank + 1) * c2)) + list(range(b - (rank + 1) * c2, b - rank * c2))
+    local = torch.tensor(local)
+    T = int(cu[-1])
+    for heads, groups in ((4, 4), (4, 2)):
+        Q, K, V = torch.randn(T, heads, D), torch.randn(T, groups, D), torch.randn(T, groups, D)
+        G = torch.randn(T, heads * D)
+        for mask in ("padding_causal", "padding"):
+            full = attention.DotProductAttention(heads, D, num_gqa_groups=groups, qkv_format="thd", attn_mask_type=mask)
+            q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+            y = full(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            y.backward(G)
+            ref = [t[local] for t in (y, q.grad, k.grad, v.grad)]
+            got = {}
+            for name, comm, merge, block in (("ring", "p2p", good_merge, good_block),
+                                              ("allgather", "all_gather", good_merge, good_block),
+                                              ("plant-merge", "p2p", no_lse_merge, good_block),
+                                              ("plant-order", "p2p", good_merge, swapped_block)):
+                ring.merge_partial, ring._block = merge, block
+                part = attention.DotProductAttention(heads, D, num_gqa_groups=groups, qkv_format="thd",
+                                                     attn_mask_type=mask, cp_group=group,
+                                                     cp_global_ranks=list(range(cp)), cp_comm_type=comm)
+                ql, kl, vl = (t[local].to(dev).requires_grad_() for t in (Q, K, V))
+                cud = cu.to(dev)
+                yl = part(ql, kl, vl, cu_seqlens_q=cud, cu_seqlens_kv=cud, cu_seqlens_q_padded=cud,
+                          cu_seqlens_kv_padded=cud)
+                yl.backward(G[local].to(dev))
+                got[name] = [t.detach().cpu() for t in (yl, ql.grad, kl.grad, vl.grad)]
+            ring.merge_partial, ring._block = good_merge, good_block
+            case = f"thd-h{heads}g{groups}-{mask.replace('padding_', '')}"
+            for name, tensors in got.items():
+                out[f"{case} {name}-vs-cp1"] = [(a - b).abs().max().item() for a, b in zip(tensors, ref)]
+            out[f"{case} ring-vs-allgather"] = [(a - b).abs().max().item()
+                                                for a, b in zip(got["ring"], got["allgather"])]
+
+    # attention dropout inside the ring: given the keep masks the ring drew (recorded with the blocks they belong to),
+    # output and gradients equal the CP1 attention with those masks at the blocks' global places; the keep rate is
+    # 1 - p; the same tracker seed draws the same masks; the caller's generator is left alone (the tracker's fork)
+    from portspeed.portable_te import ring_dropout
+    from portspeed.portable_te.rng import CudaRNGStatesTracker
+    P = 0.3
+    good_mask, good_steps = ring_dropout.dropout_mask, ring._steps
+    seen = {"masks": [], "blocks": [], "on": False}
+
+    def recording_mask(shape, p, device):
+        m = good_mask(shape, p, device)
+        seen["masks"].append(m.cpu())
+        return m
+
+    def recording_steps(step, r, causal, segments):
+        blocks = good_steps(step, r, causal, segments)
+        if seen["on"]:
+            seen["blocks"] += [((r.rank - step) % r.size, rows, keys) for rows, keys, _ in blocks]
+        return blocks
+
+    ring_dropout.dropout_mask, ring._steps = recording_mask, recording_steps
+    objects = dist.new_group(list(range(cp)), backend="gloo")  # the recorded masks travel as Python objects
+    heads, groups = 4, 2
+    for fmt in ("sbhd", "thd"):
+        if fmt == "sbhd":
+            n = S
+            owner = [torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * cp - 1 - r) * c, (2 * cp - r) * c)])
+                     for r in range(cp)]
+            seq = torch.zeros(n, dtype=torch.long)
+            Q, K, V = torch.randn(n, B, heads, D), torch.randn(n, B, groups, D), torch.randn(n, B, groups, D)
+            G = torch.randn(n, B, heads * D)
+        else:
+            n, owner = T, []
+            for r in range(cp):
+                idx = []
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                    c2 = (b - a) // (2 * cp)
+                    idx += list(range(a + r * c2, a + (r + 1) * c2)) + list(range(b - (r + 1) * c2, b - r * c2))
+                owner.append(torch.tensor(idx))
+            seq = torch.bucketize(torch.arange(n), cu[1:], right=True)
+            Q, K, V = torch.randn(n, 1, heads, D), torch.randn(n, 1, groups, D), torch.randn(n, 1, groups, D)
+            G = torch.randn(n, 1, heads * D)
+        mine_f = owner[rank]
+        runs = []
+        for seed in (7, 7, 8):
+            tracker = CudaRNGStatesTracker()
+            tracker.add("model-parallel-rng", seed)
+            kw = {"qkv_format": "thd", "attn_mask_type": "padding_causal"} if fmt == "thd" else {}
+            part = attention.DotProductAttention(heads, D, num_gqa_groups=groups, attention_dropout=P,
+                                                 get_rng_state_tracker=lambda: tracker, cp_group=group,
+                                                 cp_global_ranks=list(range(cp)), cp_comm_type="p2p", **kw)
+            part.train()
+            sq = (lambda t: t.squeeze(1)) if fmt == "thd" else (lambda t: t)
+            ql, kl, vl = (sq(t[mine_f]).to(dev).requires_grad_() for t in (Q, K, V))
+            seen.update(masks=[], blocks=[], on=True)
+            state = torch.get_rng_state()
+            cud = cu.to(dev)
+            yl = part(ql, kl, vl, **({"cu_seqlens_q": cud, "cu_seqlens_kv": cud, "cu_seqlens_q_padded": cud,
+                                      "cu_seqlens_kv_padded": cud} if fmt == "thd" else {}))
+            seen["on"] = False
+            out[f"dropout-{fmt} caller-rng-kept"] = bool(torch.equal(state, torch.get_rng_state()))
+            masks, blocks = list(seen["masks"]), list(seen["blocks"])
+            yl.backward(sq(G[mine_f]).to(dev))
+            runs.append((yl.detach().cpu(), masks, blocks, [t.grad.cpu() for t in (ql, kl, vl)]))
+        y_a, masks, blocks, grads = runs[0]
+        out[f"dropout-{fmt} same-seed-equal"] = bool(torch.equal(y_a, runs[1][0]))
+        out[f"dropout-{fmt} other-seed-differs"] = bool(not torch.equal(y_a, runs[2][0]))
+        kept = torch.cat([m.flatten() for m in masks]).float()
+        out[f"dropout-{fmt} keep-rate"] = [kept.mean().item(), kept.numel(), len(masks), len(blocks)]
+        # the CP1 reference (float64) with every rank's drawn masks at their blocks' global places (1 elsewhere:
+        # no effect); the masks of the other ranks' queries enter this rank's key/value gradients
+        everyone = [None] * cp
+        dist.all_gather_object(everyone, (rank, blocks, masks), group=objects)
+        b = Q.shape[1]
+        Mg = torch.ones(b, heads, n, n, dtype=torch.float64)
+        for who, who_blocks, who_masks in everyone:
+            for (src, rows, keys), m in zip(who_blocks, who_masks):
+                qi, ki = owner[who][rows], owner[src][keys]
+                Mg[:, :, qi[:, None], ki[None, :]] = m.double()
+        q, k, v = (t.double().permute(1, 2, 0, 3).clone().requires_grad_() for t in (Q, K, V))  # [b, h, n, d]
+        ke, ve = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+        pos = torch.arange(n)
+        allowed = (pos[None, :] <= pos[:, None]) & (seq[None, :] == seq[:, None])
+        sc = (q @ ke.transpose(-2, -1) / D ** 0.5).masked_fill(~allowed, float("-inf"))
+        y = (torch.softmax(sc, dim=-1) * Mg / (1 - P)) @ ve                           # [b, h, n, d]
+        y = y.permute(2, 0, 1, 3).reshape(n, b, heads * D)
+        y.backward(G.double())
+        gq, gk, gv = (t.grad.permute(2, 0, 1, 3) for t in (q, k, v))                  # [n, b, h, d]
+        fl = (lambda t: t.squeeze(1)) if fmt == "thd" else (lambda t: t)
+        ref = [fl(y[mine_f]), fl(gq[mine_f]), fl(gk[mine_f]), fl(gv[mine_f])]
+        out[f"dropout-{fmt} ring-vs-cp1-same-masks"] = [(a.double() - r).abs().max().item()
+                                                       for a, r in zip([y_a] + grads, ref)]
+    ring_dropout.dropout_mask, ring._steps = good_mask, good_steps
     print("RESULT " + json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -159,11 +310,14 @@ def _cp_results(tmp_path: Path, nproc: int = 2, **env: str) -> list[dict]:
     return rows
 
 
-def _check(rows: list[dict]) -> None:
-    """Ring = all-gather = a2a = CP1 within 1e-5 (output, dq, dk, dv); each planted error off by far more."""
+def _check(rows: list[dict], dropout: bool = True) -> None:
+    """Ring = all-gather = a2a = CP1 within 1e-5 (output, dq, dk, dv); each planted error off by far more; with
+    ``dropout``, the ring's dropout (see ``_check_dropout``) in ``sbhd`` and ``thd``."""
     for row in rows:
+        if dropout:
+            _check_dropout(row)
         for case, errs in row.items():
-            if not isinstance(errs, list):
+            if not isinstance(errs, list) or case.startswith("dropout-"):
                 continue
             worst = max(errs)
             where = f"rank {row['rank']} {case} (y, dq, dk, dv): {errs}"
@@ -173,6 +327,22 @@ def _check(rows: list[dict]) -> None:
                 assert worst <= TOL, where  # without a mask every block is full: the order does not matter
             else:
                 assert worst <= TOL, where
+
+
+def _check_dropout(row: dict) -> None:
+    """Attention dropout inside the ring (``ring_dropout.py``): output and q / k / v gradients = the CP1 attention
+    with the masks the ring drew placed at their global positions (1e-5); one mask per block; keep rate 1 - p
+    (0.3 drawn, within 5 standard deviations); the same seed gives the same output, another seed another; the
+    caller's generator state is untouched (drawn inside the tracker's fork)."""
+    for fmt in ("sbhd", "thd"):
+        d, where = f"dropout-{fmt}", f"rank {row['rank']} dropout {fmt}"
+        errs = row[f"{d} ring-vs-cp1-same-masks"]
+        assert max(errs) <= TOL, f"{where} (y, dq, dk, dv): {errs}"
+        rate, n, masks, blocks = row[f"{d} keep-rate"]
+        assert masks == blocks > 0, f"{where}: {masks} masks for {blocks} blocks"
+        assert abs(rate - 0.7) < 5 * (0.21 / n) ** 0.5, f"{where}: keep rate {rate} over {n} draws"
+        assert row[f"{d} same-seed-equal"] and row[f"{d} other-seed-differs"], where
+        assert row[f"{d} caller-rng-kept"], f"{where}: the caller's generator moved"
 
 
 @pytest.mark.multiproc
@@ -198,3 +368,103 @@ def test_cp2_ring_on_the_test_device(tmp_path: Path) -> None:
     rows = _cp_results(tmp_path, PORTSPEED_ACCELERATOR="testdev")
     assert {r["device"].split(":")[0] for r in rows} == {"testdev"}, rows
     _check(rows)
+
+
+_TP2CP2 = textwrap.dedent(
+    """
+    import json, sys
+    sys.argv = ["tp2cp2_ring"]                            # no --transformer-impl: Megatron's default, the TE path
+    import portspeed.megatron_adaptor
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from portspeed.portable_te import attention, ring
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+    model_parallel_cuda_manual_seed(0)
+    tp, tr = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    cp, cr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    good_merge = ring.merge_partial
+
+    def no_lse_merge(out_acc, lse_acc, out, lse):  # planted: a plain average instead of the lse-weighted merge
+        out_acc.add_(out.float()).mul_(0.5)
+
+    NP, NG, D = 4, 2, 8                                   # GQA: per TP rank 2 heads, 1 key/value group
+    hp, gp = NP // tp, NG // tp
+    cfg = dict(num_layers=1, hidden_size=NP * D, num_attention_heads=NP, num_query_groups=NG, kv_channels=D,
+               attention_dropout=0.0, tensor_model_parallel_size=tp, context_parallel_size=cp)
+    out = {"tp": tp, "cp": cp, "tp_rank": tr, "cp_rank": cr}
+
+    def chunks(a, b):                                     # this CP rank's two chunks of tokens a..b
+        c = (b - a) // (2 * cp)
+        return list(range(a + cr * c, a + (cr + 1) * c)) + list(range(b - (cr + 1) * c, b - cr * c))
+
+    torch.manual_seed(0)                                  # the same full tensors on every rank
+    S, B, T = 16, 2, 24
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    full = {"sbhd": [torch.randn(S, B, n, D) for n in (NP, NG, NG)] + [torch.randn(S, B, NP * D)],
+            "thd": [torch.randn(T, n, D) for n in (NP, NG, NG)] + [torch.randn(T, NP * D)]}
+    where = {"sbhd": torch.tensor(chunks(0, S)), "thd": torch.tensor(chunks(0, 8) + chunks(8, 24))}
+    heads = [slice(tr * hp, (tr + 1) * hp), slice(tr * gp, (tr + 1) * gp), slice(tr * gp, (tr + 1) * gp)]
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=16, max_seqlen_kv=16)
+    for fmt in ("sbhd", "thd"):
+        Q, K, V, G = full[fmt]
+        mask = "causal" if fmt == "sbhd" else "padding_causal"
+        # TP1 / CP1: the single-process attention over every head and the whole sequence
+        ref_attn = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask)
+        q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
+        y = ref_attn(q, k, v, **({"cu_seqlens_q": cu, "cu_seqlens_kv": cu} if fmt == "thd" else {}))
+        y.backward(G)
+        loc = where[fmt]
+        y_heads = y.reshape(*y.shape[:-1], NP, D)[..., heads[0], :].flatten(-2)
+        ref = [y_heads[loc]] + [t.grad[loc][..., h, :] for t, h in zip((q, k, v), heads)]
+        got = {}
+        for name, comm, merge in (("ring", "p2p", good_merge), ("allgather", "all_gather", good_merge),
+                                  ("plant-merge", "p2p", no_lse_merge)):
+            ring.merge_partial = merge
+            te = TEDotProductAttention(TransformerConfig(**cfg, cp_comm_type=comm), layer_number=1,
+                                       attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=comm)
+            assert isinstance(te, attention.DotProductAttention), type(te).__mro__
+            ql, kl, vl = (t[loc][..., h, :].clone().requires_grad_() for t, h in zip((Q, K, V), heads))
+            yl = te(ql, kl, vl, None, AttnMaskType.causal, packed_seq_params=packed if fmt == "thd" else None)
+            yl.backward(G.reshape(*G.shape[:-1], NP, D)[..., heads[0], :].flatten(-2)[loc])
+            got[name] = [yl.detach(), ql.grad, kl.grad, vl.grad]
+        ring.merge_partial = good_merge
+        for name, tensors in got.items():
+            out[f"{fmt}-causal {name}-vs-cp1"] = [(a - b).abs().max().item() for a, b in zip(tensors, ref)]
+        out[f"{fmt}-causal ring-vs-allgather"] = [(a - b).abs().max().item()
+                                                  for a, b in zip(got["ring"], got["allgather"])]
+    out["rank"] = dist.get_rank()
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.megatron
+@pytest.mark.multiproc
+def test_tp2_cp2_megatron_te_attention_ring_equals_all_gather_and_tp1_cp1(tmp_path: Path) -> None:
+    """TP2 x CP2 (4 Gloo ranks): Megatron's ``TEDotProductAttention`` (served by the portable TE) built under
+    ``initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)``, GQA, causal, ``sbhd`` and
+    packed ``thd``: the ring (``p2p``) = the all-gather form = the TP1/CP1 attention within 1e-5 (output and
+    q / k / v gradients of this rank's heads and tokens); a planted merge error breaks it (the ring ran)."""
+    from helpers.requires import require
+
+    require("megatron.core", "pip install -e '.[megatron]'")
+    script = tmp_path / "tp2cp2_ring.py"
+    script.write_text(_TP2CP2)
+    res = torchrun(str(script), 4, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
+    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3], res.stdout[-2000:]
+    assert {(r["tp"], r["cp"]) for r in rows} == {(2, 2)}, rows
+    assert {(r["tp_rank"], r["cp_rank"]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}, rows
+    _check(rows, dropout=False)

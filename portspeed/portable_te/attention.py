@@ -165,6 +165,13 @@ class DotProductAttention(PortableModule):
                 return fn(q, k, v, attn_mask=attn_mask, causal=causal, scale=self.softmax_scale, dropout_p=p)
         return fn(q, k, v, attn_mask=attn_mask, causal=causal, scale=self.softmax_scale, dropout_p=p)
 
+    def _dropout_fork(self) -> Callable[[], Any] | None:
+        """The RNG tracker's ``fork`` that dropout draws in (ring CP), None where ``_attend`` draws outside one."""
+        p = self.attention_dropout.p if self.training else 0.0
+        if p > 0.0 and not self.sequence_parallel and self.get_rng_state_tracker is not None:
+            return self.get_rng_state_tracker().fork
+        return None
+
     def _varlen_allowed(self) -> bool:
         """Packed sequences may go to torch's variable-length kernel: SDPA serves attention and no dropout runs."""
         return attention_kernel() is sdpa.attention_torch and (not self.training or self.attention_dropout.p == 0.0)
@@ -187,7 +194,10 @@ class DotProductAttention(PortableModule):
             return packed_attention(query_layer, key_layer, value_layer, mask_type, self.softmax_scale,
                                     self._attend, varlen=self._varlen_allowed(), cp_group=self.cp_group,
                                     cp_size=self.cp_size,
-                                    cp_rank=_rank_in(self.cp_group) if self.cp_size > 1 else 0, **packed)
+                                    cp_rank=_rank_in(self.cp_group) if self.cp_size > 1 else 0,
+                                    cp_comm_type=self.cp_comm_type,
+                                    dropout_p=self.attention_dropout.p if self.training else 0.0,
+                                    rng_fork=self._dropout_fork(), **packed)
         if fmt not in ("sbhd", "bshd"):
             refuse(f"qkv_format={fmt!r}", "use sbhd, bshd or thd")
         refuse_if(any(v is not None for v in packed.values()), "cu_seqlens with qkv_format sbhd/bshd",
@@ -216,7 +226,8 @@ class DotProductAttention(PortableModule):
         """
         p = self.attention_dropout.p if self.training else 0.0
         if ring.ring_serves(self.cp_comm_type, mask_type, p, q.shape[2], k.shape[2]):
-            return ring.ring_attention(q, k, v, self.cp_group, causal="causal" in mask_type, scale=self.softmax_scale)
+            return ring.ring_attention(q, k, v, self.cp_group, causal="causal" in mask_type, scale=self.softmax_scale,
+                                       dropout_p=p, rng_fork=self._dropout_fork())
         cp, rank = self.cp_size, _rank_in(self.cp_group)
         k, v = (self._gather_over_cp(t) for t in (k, v))
         mask = None

@@ -16,10 +16,15 @@ module's attention kernel per sequence, the same arithmetic.
 - Masks: ``padding_causal`` (Megatron turns ``causal`` into it for ``thd``) is causal within each
   sequence; ``padding`` / ``no_mask`` let a token see its whole sequence.
 - Context parallelism: each CP rank holds ``1 / cp`` of every sequence, its two load-balancing
-  chunks (as for unpacked inputs). Keys and values are all-gathered over the CP group (gradients
-  reduce-scattered back) and each sequence's queries attend to that sequence's tokens from every
-  rank, masked by global positions. Sequences padded differently from their real length are
-  refused with CP (each CP rank's slice of the padding would need TE's exact layout).
+  chunks (as for unpacked inputs; TE's ``thd_get_partitioned_indices``, which Megatron's
+  ``get_thd_batch_on_this_cp_rank`` uses): sequence ``i`` starts at ``cu[i] / cp`` on every rank.
+  ``cp_comm_type`` ``p2p`` / ``a2a`` run the ring (``ring.py``, one ring for the whole token stream,
+  each step attends every sequence to its own block) where ``ring.ring_serves`` allows;
+  ``all_gather`` (and the ring's one fallback, a causal mask over unequal query and key lengths)
+  all-gathers keys and values over the CP group (gradients reduce-scattered back) and each sequence's queries attend to that sequence's
+  tokens from every rank, masked by global positions. Sequences padded differently from their real
+  length are refused with CP (each CP rank's slice of the padding would need TE's exact layout);
+  every sequence length must be a multiple of ``2 cp`` (TE asserts the same).
 
 The output is ``[t, heads * dim]``, as TE returns for ``thd``.
 """
@@ -32,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import comm
+from . import comm, ring
 from .refuse import refuse_if
 
 __all__ = ["cp_positions", "packed_attention", "varlen_supported"]
@@ -104,11 +109,15 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_type: str, scale: float,
                      attend: Callable[..., torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor,
                      cu_seqlens_q_padded: torch.Tensor | None = None, cu_seqlens_kv_padded: torch.Tensor | None = None,
-                     cp_group: Any = None, cp_size: int = 1, cp_rank: int = 0, varlen: bool = False) -> torch.Tensor:
+                     cp_group: Any = None, cp_size: int = 1, cp_rank: int = 0, varlen: bool = False,
+                     cp_comm_type: str | None = "all_gather", dropout_p: float = 0.0,
+                     rng_fork: Callable[[], Any] | None = None) -> torch.Tensor:
     """q ``[t, np, hn]``, k / v ``[t, ng, hn]`` (this CP rank's tokens); returns ``[t, np * hv]``.
 
     ``attend(q, k, v, attn_mask, causal)`` is the module's attention on ``[1, h, s, d]`` tensors (the kernel
     contract's mask, True = may attend; scale and dropout inside); ``varlen`` allows torch's varlen kernel.
+    With CP, ``cp_comm_type`` chooses ring or all-gather; the ring applies ``dropout_p`` (the dropout active in this
+    call) itself, drawing inside ``rng_fork()`` (the module's RNG tracker fork, or None).
     """
     refuse_if("arbitrary" in mask_type, "arbitrary attention masks with packed sequences", "use a causal or padding mask")
     causal = "causal" in mask_type
@@ -127,8 +136,19 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_typ
             refuse_if(padded is not None and not torch.equal(padded.to(cu.device), cu),
                       "packed sequences padded beyond their length with context parallelism",
                       "pack without padding between sequences (cu_seqlens_padded equal to cu_seqlens)")
+        odd = sorted({n for n in sq_lens + sk_lens if n % (2 * cp_size)})
+        if odd:
+            raise ValueError(f"packed sequences with context parallelism: every sequence length must be a multiple of "
+                             f"2 x the context-parallel size ({2 * cp_size}), as Megatron and TE split them into "
+                             f"2 x cp chunks; got lengths {odd[:4]}: pack sequences of such lengths")
         sq_starts, sq_lens = [s // cp_size for s in sq_starts], [n // cp_size for n in sq_lens]
         sk_starts, sk_lens = [s // cp_size for s in sk_starts], [n // cp_size for n in sk_lens]
+        unequal = next(((a, b) for a, b in zip(sq_lens, sk_lens) if a != b), (0, 0))
+        if ring.ring_serves(cp_comm_type, mask_type, dropout_p, *unequal):
+            out = ring.ring_attention(*(t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v)), cp_group, causal=causal,
+                                      scale=scale, segments=list(zip(sq_starts, sq_lens, sk_starts, sk_lens)),
+                                      dropout_p=dropout_p, rng_fork=rng_fork)
+            return out.squeeze(0).permute(1, 0, 2).reshape(q.shape[0], -1)  # [1, np, t, hv] -> [t, np * hv]
         k, v = (comm.gather_sequence(t.contiguous(), cp_group) for t in (k, v))  # [cp * t, ng, hn]
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     pieces = []
