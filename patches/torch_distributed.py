@@ -12,7 +12,7 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import groups, router, trace
+from portspeed.comm import groups, router, trace, work
 
 __all__ = ["PATCHES"]
 
@@ -75,6 +75,17 @@ PATCHES: list[Patch] = [
         distribution="torch",
         versions=_TORCH,
         reason="Destroyed groups must drop out of the router's capability cache and name map.",
+    ),
+    Patch(
+        name="torch.distributed._coalescing_manager.empty_batch",
+        target=f"{_MOD}:_coalescing_manager",
+        kind=WRAP,
+        impl=work.wrap_coalescing_manager,
+        distribution="torch",
+        versions=">=2.6,<2.8",
+        reason="Before torch 2.8 a coalescing batch with nothing recorded ends in UnboundLocalError; the router "
+               "runs rewritten calls outside the batch, so a batch of rewritten calls (Megatron's AVG gradient "
+               "reduce-scatter on Gloo or a CCL without AVG) must end as later releases end it.",
     ),
 ] + [
     Patch(

@@ -38,8 +38,13 @@ SOURCE_PACKAGES: dict[str, str] = {"megatron-core": "megatron.core"}
 #: distribution -> the range its patches were checked against (README, supported matrix). The runs behind
 #: each bound: megatron-core 0.15.3-0.19.x, the stock matrix at core_v0.15.3 ... core_v0.19.0 launched from
 #: the checkout's root and from elsewhere (benchmarks/stock_matrix.py, table in docs/megatron.md) and CI's
-#: 0.16.1 / 0.19.2; torch 2.13.0 in CI, 2.14.1 by hand (docs/benchmarks.md, "Gloo on torch 2.14.1"); the 2.6
-#: floor fails the collective conformance on PREMUL_SUM (README's supported matrix), an open gap.
+#: 0.16.1 / 0.19.2; torch 2.13.0 in CI leg 1, 2.14.1 in leg 2 and by hand on 3.11 (docs/benchmarks.md,
+#: "Gloo on torch 2.14.1"; the upper bound: 2.15 not run, the newest wheel this machine installs is 2.14.1); the
+#: torch floor by hand on 2026-11-26 (Python 3.11, PyPI's CUDA wheels run on CPU, megatron-core 0.16.1,
+#: DeepSpeed 0.19.8): 2.6.0, 2.8.0 and 2.11.0 pass tests/test_collective_conformance.py, test_router.py
+#: and test_capabilities.py, 2.6.0 also test_megatron_core_parity.py (its testdev cases not run). Gaps
+#: declared there: Gloo's PREMUL_SUM rows by release (capabilities), and below torch 2.13 a routed
+#: collective breaks a torch.compile graph (test_router.py). 2.7, 2.9, 2.10 and 2.12 not run.
 SUPPORTED: dict[str, str] = {
     "megatron-core": ">=0.15,<0.20",
     "deepspeed": ">=0.19,<0.20",

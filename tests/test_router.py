@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 from typing import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as functional_collectives
+from packaging.version import Version
 from torch.distributed import distributed_c10d as c10d
 
 import portspeed
@@ -223,6 +225,26 @@ def test_premul_sum_on_gloo_is_rewritten(routed) -> None:
     assert comm.stats()["all_reduce"]["by"] == {"premul_as_scale_sum": 1}
 
 
+def test_premul_sum_factor_is_read_where_reduce_op_has_no_factor_property() -> None:
+    """torch 2.6-2.8's ReduceOp has no ``factor``: the rewrite reads the (op, factor) pickling state instead."""
+    assert dist._make_nccl_premul_sum(0.25).__getstate__() == (R.RedOpType.PREMUL_SUM, 0.25)  # this torch's state
+    scale = torch.tensor([0.5])
+    assert dist._make_nccl_premul_sum(scale).__getstate__()[1] is scale
+
+    class StateOnly:  # the shape of a torch 2.6 PREMUL_SUM op: state, no factor property
+        def __getstate__(self) -> tuple:
+            return (R.RedOpType.PREMUL_SUM, 0.125)
+
+    class NoFactor:
+        def __getstate__(self) -> tuple:
+            return (R.RedOpType.PREMUL_SUM,)
+
+    assert rewrites._factor(StateOnly()) == 0.125
+    assert rewrites._factor(dist._make_nccl_premul_sum(0.25)) == 0.25
+    with pytest.raises(CollectiveUnsupportedError, match=f"torch {re.escape(torch.__version__)}.*_make_nccl_premul_sum"):
+        rewrites._factor(NoFactor())
+
+
 def test_async_rewrite_writes_the_callers_tensor_on_wait(routed) -> None:
     """async_op=True returns a RewriteWork; the caller's output is written when wait() runs."""
     set_accelerator(StandinAccelerator())
@@ -338,6 +360,33 @@ def test_a_flat_all_gather_in_a_coalescing_batch_stays_in_the_batch(routed) -> N
     cm.wait()
     assert torch.equal(outs[0], torch.ones(8)) and torch.equal(outs[1], torch.full((8,), 2.0))
     assert comm.stats()["all_gather_into_tensor"]["by"] == {"view_output_as_chunks": 2}
+
+
+@pytest.mark.parametrize("async_ops", [True, False])
+def test_a_batch_of_rewritten_calls_ends_with_nothing_recorded(routed, async_ops: bool) -> None:
+    """Every call rewritten outside the batch: torch 2.6's manager would read an unset ``work`` at its exit.
+
+    The wrapper (patched in below torch 2.8 only) ends such a batch itself; here it wraps this
+    torch's own manager, and a batch with a recorded call still goes through torch's exit.
+    """
+    from portspeed.comm.work import wrap_coalescing_manager
+
+    set_accelerator(StandinAccelerator())  # AVG is a gap: rewritten outside the batch
+    _init("nccl")
+    xs = [torch.full((4,), 2.0), torch.full((4,), 6.0)]
+    with wrap_coalescing_manager(c10d._coalescing_manager, None, (dist.group.WORLD,),
+                                 {"async_ops": async_ops}) as cm:
+        for x in xs:
+            dist.all_reduce(x, op=R.AVG)
+    assert dist.group.WORLD not in c10d._world.pg_coalesce_state and cm.works == []
+    assert torch.equal(xs[0], torch.full((4,), 2.0)) and torch.equal(xs[1], torch.full((4,), 6.0))
+    assert comm.stats()["all_reduce"]["by"] == {"avg_as_sum": 2}
+    y = torch.ones(4)
+    with wrap_coalescing_manager(c10d._coalescing_manager, None, (), {"group": dist.group.WORLD,
+                                                                       "async_ops": async_ops}) as cm:
+        dist.all_reduce(y)  # SUM: recorded, issued at the exit by torch
+    cm.wait()
+    assert torch.equal(y, torch.ones(4)) and dist.group.WORLD not in c10d._world.pg_coalesce_state
 
 
 def test_avg_on_integers_raises_naming_the_dtype(routed) -> None:
@@ -544,7 +593,13 @@ def test_a_failing_straight_call_logs_and_raises_as_torch_does(routed) -> None:
 
 
 def test_torch_compile_still_traces_a_routed_all_reduce(routed) -> None:
-    """Dynamo turns a routed all_reduce into torch's functional collective, in one graph, as without portspeed."""
+    """Dynamo turns a routed all_reduce into torch's functional collective, in one graph, as without portspeed.
+
+    From torch 2.13 (run on 2.13.0). Below it (seen on 2.6.0, 2.8.0 and 2.11.0; 2.12 not run)
+    Dynamo cannot trace the router's table read (a bound ``dict.get``), a declared gap:
+    ``fullgraph=True`` refuses, and without it the call breaks the graph and runs eagerly,
+    with the right value.
+    """
     # Dynamo maps the collectives by identity, as they were when _functional_collectives was
     # imported; this module imports it before any patch, as a framework that uses DTensor does.
     assert dist.all_reduce.__wrapped__ in functional_collectives.traceable_collective_remaps
@@ -561,6 +616,12 @@ def test_torch_compile_still_traces_a_routed_all_reduce(routed) -> None:
         return x * 2
 
     torch._dynamo.reset()
+    if Version(torch.__version__.split("+")[0]) < Version("2.13"):
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"dict\.get"):
+            torch.compile(step, fullgraph=True, backend=backend)(torch.ones(4))
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(step, backend=backend)(torch.ones(4)), torch.full((4,), 2.0))
+        return
     out = torch.compile(step, fullgraph=True, backend=backend)(torch.ones(4))
     assert torch.equal(out, torch.full((4,), 2.0))
     assert any("_c10d_functional.all_reduce" in t for t in targets), targets

@@ -28,10 +28,17 @@ Sources: the Gloo table was value-checked on torch 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2
 #149869); the all_gather_into_tensor shape row was run on torch 2.13.0 only (2 ranks on
 127.0.0.1: flat, stacked and 0-d cases raise), and read, not run, in the 2.7.1 source
 (``ProcessGroupGloo::_allgather_base``, the same chunk-and-compare code), so it is listed
-for every release. torch 2.14.1 (2026-11-26, CPU, 2 and 3 ranks): the collective
+for every release. torch 2.14.1 (2026-11-26, CPU, 2 and 3 ranks; on Python 3.11, and on 3.12 as
+CI's leg 2 installs it): the collective
 conformance (``--declared-gaps``) gives the 2.13 row, no more and no less: PREMUL_SUM and
 the flat all_gather_into_tensor output raise raw, every other op and dtype matches the
-reference straight through (docs/benchmarks.md, "Gloo on torch 2.14.1").
+reference straight through (docs/benchmarks.md, "Gloo on torch 2.14.1"). PREMUL_SUM
+(2026-11-26, 2 ranks, value-checked): raises on all_reduce and reduce in 2.6.0, 2.8.0 and
+2.13.0; reduce_scatter_tensor ignores it and sums on 2.6.0 and 2.8.0 (a 'wrong' row, as for
+AVG/MAX), and so does the list reduce_scatter on 2.8.0. Its factor is readable on every
+release run (``ReduceOp.factor`` where it exists, the op's ``(type, factor)`` pickling state on
+2.6.0, 2.8.0 and 2.11.0, which have no ``factor``), so the router rewrites it there too; the
+collective conformance passes on 2.6.0, 2.8.0, 2.11.0 and 2.13.0 with these rows.
 Vendor declarations live in the vendor adapters (``portspeed.adapters``).
 Torch versions outside 2.6-2.14 use the nearest checked row, and the record's notes say so.
 
@@ -313,20 +320,24 @@ def _gaps(collectives: Iterable[str], effect: Effect, note: str, ops: Iterable[A
 
 
 def _gloo(v: Version) -> list[Gap]:
-    out = _gaps(REDUCING_COLLECTIVES, "raises", "Gloo has no PREMUL_SUM (every release)", ops=[RedOpType.PREMUL_SUM])
+    # PREMUL_SUM is refused by name, except by a reduce-scatter that ignores every op (a 'wrong' row below)
+    ignores_op = {"reduce_scatter_tensor"} if v < Version("2.8") else {"reduce_scatter_tensor", "reduce_scatter"}
+    premul_raises = [c for c in REDUCING_COLLECTIVES if v >= Version("2.9") or c not in ignores_op]
+    out = _gaps(premul_raises, "raises", "Gloo has no PREMUL_SUM (every release)", ops=[RedOpType.PREMUL_SUM])
     if v < Version("2.8"):
         out += _gaps(["all_reduce", "reduce"], "raises", "Gloo AVG raises before torch 2.8 (pytorch#149781)",
                      ops=[RedOpType.AVG])
     if v < Version("2.9"):
         out += _gaps(["reduce_scatter_tensor"], "wrong",
                      "Gloo reduce_scatter_tensor ignores the op and sums before torch 2.9 (pytorch#149869); "
-                     "AVG/MAX value-checked, MIN/PRODUCT take the same code path",
-                     ops=[RedOpType.AVG, RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT])
+                     "AVG/MAX/PREMUL_SUM value-checked on 2.6.0 and 2.8.0, MIN/PRODUCT take the same code path",
+                     ops=[RedOpType.AVG, RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT, RedOpType.PREMUL_SUM])
     if v < Version("2.8"):
         out += _gaps(["reduce_scatter"], "raises", "Gloo has no list reduce_scatter before torch 2.8")
     elif v < Version("2.9"):
-        out += _gaps(["reduce_scatter"], "wrong", "Gloo list reduce_scatter ignores the op (sums) on torch 2.8",
-                     ops=[RedOpType.AVG, RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT])
+        out += _gaps(["reduce_scatter"], "wrong", "Gloo list reduce_scatter ignores the op (sums) on torch 2.8 "
+                     "(AVG/MAX/PREMUL_SUM value-checked on 2.8.0)",
+                     ops=[RedOpType.AVG, RedOpType.MAX, RedOpType.MIN, RedOpType.PRODUCT, RedOpType.PREMUL_SUM])
     if v < Version("2.12"):
         out += _gaps(["all_to_all"], "raises", "Gloo has no list all_to_all before torch 2.12")
     out += _gaps([CHUNK_SHAPED], "raises",

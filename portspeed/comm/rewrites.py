@@ -99,10 +99,26 @@ def _require_float(c: Call, what: str) -> None:
 
 
 def _factor(op: Any) -> Any:
+    """The factor of a PREMUL_SUM ReduceOp: a float or a 1-element tensor.
+
+    ``ReduceOp.factor`` is a later release's property (2.13.0 has it; 2.6.0, 2.8.0 and 2.11.0 do
+    not), but every release run (those four) pickles the op as ``(RedOpType, factor)`` through
+    ``__getstate__``, so the factor is read there on the older ones.
+    """
     f = getattr(op, "factor", None)
     if f is None:
+        state = getattr(op, "__getstate__", None)
+        try:
+            got = state() if callable(state) else None
+        except (RuntimeError, TypeError):
+            got = None
+        if isinstance(got, tuple) and len(got) == 2:
+            f = got[1]
+    if f is None:
         raise CollectiveUnsupportedError(
-            f"PREMUL_SUM {op!r} carries no factor; build it with torch.distributed._make_nccl_premul_sum(factor)"
+            f"PREMUL_SUM {op!r} carries no factor that torch {torch.__version__} shows (no ReduceOp.factor, no "
+            "(op, factor) state); build it with torch.distributed._make_nccl_premul_sum(factor), or pass "
+            "ReduceOp.SUM on tensors you scaled yourself"
         )
     return f
 

@@ -19,6 +19,11 @@ Contract
 
 Limits: in a coalescing batch a rewritten collective runs synchronously (correct values,
 less overlap); the all_gather view (``in_batch``) is the exception and stays in the batch.
+
+Old torch: torch 2.6.0's ``_coalescing_manager`` ends a batch in which nothing was recorded
+with ``UnboundLocalError`` (its ``work`` is never set; 2.8.0's sets it to None first), which
+is what a batch whose every call was rewritten leaves; ``wrap_coalescing_manager`` (a patch
+below torch 2.8 only) ends such a batch as later releases do: nothing to issue or wait for.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from portspeed.comm.backends import _pg
 
-__all__ = ["RewriteWork", "complete", "run"]
+__all__ = ["RewriteWork", "complete", "run", "wrap_coalescing_manager"]
 
 
 class RewriteWork(dist.Work):
@@ -106,3 +111,38 @@ def run(group: Any, async_op: bool, body: Callable[[bool], Any], in_batch: bool 
             c10d._world.pg_coalesce_state[pg] = ops
         return RewriteWork([], nothing) if async_op else None
     return body(async_op)
+
+
+class _EmptyBatchSafe:
+    """An old torch's coalescing manager whose exit with nothing recorded is a no-op, as from torch 2.8."""
+
+    def __init__(self, inner: Any, group: Any, device: Any) -> None:
+        self._inner, self._group, self._device = inner, group, device
+
+    def __enter__(self) -> Any:
+        return self._inner.__enter__()
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> Any:
+        if et is None and not self._device:
+            pg = self._group or c10d._get_default_group()
+            state = c10d._world.pg_coalesce_state
+            if not state.get(pg):  # every call ran outside the batch (rewritten): nothing to issue
+                state.pop(pg, None)
+                self._abandon()  # the rest of torch's exit would read an unset ``work``
+                return False
+        return self._inner.__exit__(et, ev, tb)
+
+    def _abandon(self) -> None:
+        """Close torch's generator without running its exit (through any wrapper of the same kind)."""
+        inner = self._inner
+        if isinstance(inner, _EmptyBatchSafe):
+            inner._abandon()
+        elif getattr(inner, "gen", None) is not None:
+            inner.gen.close()
+
+
+def wrap_coalescing_manager(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """torch < 2.8's ``_coalescing_manager``, made to end a batch with nothing recorded (see the docstring)."""
+    group = args[0] if args else kwargs.get("group")
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    return _EmptyBatchSafe(wrapped(*args, **kwargs), group, device)

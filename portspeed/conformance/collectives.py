@@ -298,9 +298,10 @@ def _as_megatron_does(r: _Rank, caps: Any, expected: set[str], real: str) -> Non
 def _replayed(table: str, running: Any) -> Any:
     """The table ``--replay`` names: ``gloo@2.7`` (a torch release's Gloo) or ``hccl-hpu`` (an adapter's).
 
-    The running backend's output-shape gap (``running``: its own record) is kept: it is a
-    property of the library that runs the calls (Gloo's all_gather_into_tensor still wants
-    chunk-shaped outputs while the router follows HCCL's table), not of the table replayed.
+    The running backend's gaps (``running``: its own record) that the replayed table does not
+    flag are kept: they are properties of the library that runs the calls (Gloo's
+    all_gather_into_tensor still wants chunk-shaped outputs while the router follows HCCL's
+    table; torch 2.6's Gloo still has no list reduce_scatter), not of the table replayed.
     """
     import dataclasses
 
@@ -313,10 +314,11 @@ def _replayed(table: str, running: Any) -> Any:
         from portspeed.accelerator import adapter_class
 
         caps = adapter_class(name.split("-")[1])().capabilities()
-    kept = tuple(g for g in running.gaps if g.collective == CHUNK_SHAPED) if not caps.affects(CHUNK_SHAPED) else ()
+    kept = tuple(g for g in running.gaps if (not caps.affects(CHUNK_SHAPED) if g.collective == CHUNK_SHAPED
+                                             else caps.gap(g.collective, g.op, g.dtype) is None))
     if kept:
         caps = dataclasses.replace(caps, gaps=caps.gaps + kept,
-                                   notes=caps.notes + (f"the running backend's {CHUNK_SHAPED} shape gap kept",))
+                                   notes=caps.notes + ("the running backend's gaps the table does not flag kept",))
     return caps
 
 

@@ -30,6 +30,7 @@ def all_values(world: int, shape: tuple[int, ...], salt: int = 0) -> torch.Tenso
 
 def reference(op: str, stacked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The reduction ``op`` (a ReduceOp name, or "PREMUL" for PREMUL_SUM by 0.5) of ``stacked``, cast to ``dtype``."""
+    op = "PREMUL" if op == "PREMUL_SUM" else op  # the RedOpType's own name (raw checks of a declared gap)
     if op in ("BAND", "BOR", "BXOR"):
         fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
         ints = stacked.to(torch.int64)
