@@ -2,13 +2,17 @@
 #
 # CI has two legs, and `make test` runs both (`.ci/run` calls it):
 #   leg 1: $(PYTHON) (3.11 on CI), torch 2.13.0 CPU wheel, megatron-core 0.16.1   -> .venv,    constraints.txt
-#   leg 2: Python 3.12, PyPI's torch 2.13.0 (a CUDA build; CI has no GPU),
-#          megatron-core 0.19.2, DeepSpeed 0.19.8                                 -> .venv312, constraints-py312.txt
+#   leg 2: Python 3.12, PyPI's torch 2.14.1 (a CUDA build; CI has no GPU),
+#          megatron-core 0.19.2, DeepSpeed 0.19.8, Megatron-Bridge 0.6.2          -> .venv312, constraints-py312.txt
 # One leg alone: `make test-leg1` or `make test-leg2`. Every venv recipe is the same one,
-# parameterised by PYTHON / VENV / CONSTRAINTS (a recursive make for leg 2).
+# parameterised by PYTHON / VENV / CONSTRAINTS / TORCH_VERSION (a recursive make for leg 2).
 PYTHON      ?= python3
 VENV        ?= .venv
 CONSTRAINTS ?= constraints.txt
+# the torch each leg installs first: the `torch==` line of its constraints file (2.13.0 for leg 1,
+# 2.14.1 for leg 2), so the pin and the constraints cannot disagree; a TORCH_VERSION=... that
+# differs from that line fails the venv recipe
+TORCH_VERSION ?= $(shell sed -n 's/^torch==\([^ ]*\).*/\1/p' "$(CONSTRAINTS)" 2>/dev/null)
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed
 # Python 3.12 for leg 2: PYTHON312=..., else pyenv's 3.12, else a python3.12 that runs
@@ -23,8 +27,9 @@ LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/tes
                tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
                tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py tests/test_megatron_refusals.py \
                tests/test_view_classes.py tests/test_narrowing.py tests/test_te_kernels.py tests/test_te_attention.py \
-               tests/test_te_ring.py tests/test_rl_loop.py tests/test_hf_trainer.py
-LEG1_MARKS  := not cuda_build and not ds_more and not faults
+               tests/test_te_ring.py tests/test_rl_loop.py tests/test_hf_trainer.py tests/test_rl_fsdp.py \
+               tests/test_megatron_bridge.py
+LEG1_MARKS  := not cuda_build and not ds_more and not faults and not megatron_bridge
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 
 .PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock test-stock-matrix stock-tests megatron-unit-tests bench clean \
@@ -44,9 +49,11 @@ sysdeps:
 	  else echo "missing Debian packages: $$missing; install them as root: apt-get install -y $$missing"; exit 2; fi; fi
 
 $(STAMP): pyproject.toml $(CONSTRAINTS) | sysdeps
+	@grep -qx 'torch==$(TORCH_VERSION)' $(CONSTRAINTS) || { \
+	  echo "TORCH_VERSION='$(TORCH_VERSION)' is not $(CONSTRAINTS)'s torch== line: pin torch there (or drop TORCH_VERSION=)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the rest must not pull another torch
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	# DS_BUILD_OPS=0: DeepSpeed installs without compiling any op (none is needed on CPU)
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
@@ -77,9 +84,18 @@ test: test-leg1 test-leg2
 test-leg1: $(STAMP) testdev ds-ops
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "$(LEG1_MARKS)"
 
-## Leg 2: Python 3.12, PyPI torch (CUDA build, no GPU), megatron-core 0.19.2, DeepSpeed 0.19.8.
+## Megatron-Bridge (leg 2 only: it needs Python >= 3.12). --no-deps: its declared requirements do not install
+## without CUDA (fast-hadamard-transform is an sdist that builds a CUDA extension; megatron-core[dev] pins an
+## nvidia-resiliency-ext the index lacks) and the HF round trip imports none of them; omegaconf is the one it needs.
+BRIDGE_STAMP := .venv312/.bridge-installed
+$(BRIDGE_STAMP): constraints-py312.txt .venv312/.installed
+	.venv312/bin/python -m pip install -q --no-deps -c constraints-py312.txt megatron-bridge omegaconf
+	touch $@
+
+## Leg 2: Python 3.12, PyPI torch (CUDA build, no GPU), megatron-core 0.19.2, DeepSpeed 0.19.8, Megatron-Bridge.
 test-leg2: venv312
 	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt ds-ops
+	$(MAKE) --no-print-directory $(BRIDGE_STAMP)
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m "$(LEG2_MARKS)" $(LEG2_TESTS)
 
 venv312:

@@ -23,7 +23,7 @@ import pytest
 
 from helpers.launch import REPO, free_port, run_python
 
-pytestmark = [pytest.mark.megatron_bridge, pytest.mark.cuda_build, pytest.mark.multiproc, pytest.mark.megatron]
+pytestmark = [pytest.mark.megatron_bridge, pytest.mark.multiproc, pytest.mark.megatron]
 
 SCRIPT = "examples/hf_bridge_roundtrip.py"
 LAYOUTS = ("tp1", "tp2", "pp2")

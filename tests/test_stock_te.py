@@ -111,7 +111,7 @@ def test_te_spec_layouts_equal_tp1(te_run: dict, layout: str) -> None:
 
 @pytest.mark.testdev
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2sp", "tp2pp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2sp", "tp2pp2", "cp2", "tp2cp2"])
 def test_te_spec_on_the_test_device_equals_cpu_tp1(te_run: dict, layout: str) -> None:
     """The TE spec on portspeed's test device (a test device, not hardware): equal to the **CPU** TE-spec TP1 run.
 

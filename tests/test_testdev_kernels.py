@@ -98,6 +98,19 @@ def test_sdpa_on_the_device_runs_its_fused_kernel() -> None:
             "scale": (4, 4, 8, 8, None, {"is_causal": True, "scale": 0.37}),
             "mask and causal": (4, 2, 6, 7, with_causal, {"is_causal": True, "enable_gqa": True}),
         }
+        if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14):
+            # torch 2.14 refuses a mask together with is_causal on every device, before any kernel is chosen:
+            # the device must refuse it the same way the host does (portspeed merges the two into one mask)
+            hq, hkv, sq, sk, mask, kw = cases.pop("mask and causal")
+            q, k, v = (torch.randn(2, h, s, 16, generator=g) for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+            for device in ("cpu", "testdev"):
+                try:
+                    F.scaled_dot_product_attention(q.to(device), k.to(device), v.to(device),
+                                                   attn_mask=mask.to(device), **kw)
+                except RuntimeError as exc:
+                    assert "attn_mask should not be set when is_causal" in str(exc), (device, exc)
+                else:
+                    raise AssertionError(f"torch {torch.__version__} on {device} took a mask with is_causal")
         for dtype in (torch.float32, torch.bfloat16):
             for name, (hq, hkv, sq, sk, mask, kw) in cases.items():
                 q, grad = (torch.randn(2, hq, sq, 16, generator=g).to(dtype) for _ in range(2))
