@@ -1,7 +1,7 @@
 """A rank that skips one all_reduce inside Megatron's tensor-parallel forward is named, with Megatron's line.
 
 The planted fault (tests/data/trace_megatron_skip.py): the example trainer on real megatron-core,
-TP2 on 2 ranks (CPU adapter, Gloo), with ``megatron.core.tensor_parallel.mappings._reduce``
+TP2 on 2 ranks (CPU adapter on Gloo, the stand-in CCL, the test device), with ``megatron.core.tensor_parallel.mappings._reduce``
 wrapped so that rank 1 returns its 3rd call's input unreduced. Gloo then pairs rank 1's later
 calls with rank 0's earlier ones until two of them differ in shape (the vocab-parallel loss's
 all_reduce against the next layer's); the job must end (the run's kill bound is the hang timeout
@@ -54,13 +54,21 @@ def _alive_with(port: int) -> list[int]:
     return out
 
 
-def test_skipped_all_reduce_in_megatron_tp2_forward_is_named(tmp_path: Path) -> None:
+#: where the fault is planted: the CPU adapter on Gloo, the stand-in vendor CCL, the C++ test device and its CCL
+#: (the settings, the backend rank 0's dump must name in its calls)
+BACKENDS = [pytest.param({"PORTSPEED_ACCELERATOR": "cpu"}, "gloo", id="cpu"),
+            pytest.param({"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_BACKEND": "standin"}, "standin", id="standin"),
+            pytest.param({"PORTSPEED_ACCELERATOR": "testdev"}, "testccl", id="testdev", marks=pytest.mark.testdev)]
+
+
+@pytest.mark.parametrize("backend,ccl", BACKENDS)
+def test_skipped_all_reduce_in_megatron_tp2_forward_is_named(backend: dict, ccl: str, tmp_path: Path) -> None:
     folder, port = tmp_path / "dumps", free_port()
     res = run_python(["-m", "portspeed.cli", "run", "--hang-timeout", str(HANG_S), "--nproc-per-node", "2",
                       "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT),
                       "--tp", "2", "--iters", "2", "--num-layers", "2"],
-                     timeout=BOUND, env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_TRACE_DIR": str(folder)},
-                     drop=["PORTSPEED_TRACE", "PORTSPEED_TRACE_ON_EXIT"])
+                     timeout=BOUND, env={**backend, "PORTSPEED_TRACE_DIR": str(folder)},
+                     drop=["PORTSPEED_TRACE", "PORTSPEED_TRACE_ON_EXIT", "PORTSPEED_BACKEND"])
     text = res.stdout + res.stderr
     assert res.returncode == 1, text[-4000:]
     assert "trace_megatron_skip: rank 1 skips _reduce call 3" in text, text[-4000:]
@@ -81,3 +89,9 @@ def test_skipped_all_reduce_in_megatron_tp2_forward_is_named(tmp_path: Path) -> 
     assert (folder / "portspeed_trace_rank_0").exists() or (folder / "portspeed_last_calls_0.txt").exists()
     assert (folder / "portspeed_trace_rank_1").exists() or (folder / "portspeed_last_calls_1.txt").exists()
     assert not _alive_with(port), _alive_with(port)
+    # the fault ran on the backend it names: rank 0's write-through file holds every call it issued
+    from portspeed.cli.why_hung import _through_entry
+
+    with open(folder / "portspeed_last_calls_0.txt") as f:
+        ops = {_through_entry(x)["profiling_name"].split(":")[0] for x in f if x.strip()}
+    assert ops == {ccl}, ops
