@@ -145,7 +145,7 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
                     break
                 time.sleep(0.1)
             d = pickle.load(open("{tmp_path}/portspeed_trace_rank_0", "rb"))
-            from portspeed.cli.why_hung import _through_entry
+            from portspeed.cli.trace_dumps import through_entry as _through_entry
             through = [_through_entry(x) for x in open("{tmp_path}/portspeed_last_calls_0.txt")]
             objs, box = [None], [7]  # torch's *_object collectives: recorded by their inner calls, named as such
             dist.all_gather_object(objs, {{"a": 1}})

@@ -90,7 +90,7 @@ def test_skipped_all_reduce_in_megatron_tp2_forward_is_named(backend: dict, ccl:
     assert (folder / "portspeed_trace_rank_1").exists() or (folder / "portspeed_last_calls_1.txt").exists()
     assert not _alive_with(port), _alive_with(port)
     # the fault ran on the backend it names: rank 0's write-through file holds every call it issued
-    from portspeed.cli.why_hung import _through_entry
+    from portspeed.cli.trace_dumps import through_entry as _through_entry
 
     with open(folder / "portspeed_last_calls_0.txt") as f:
         ops = {_through_entry(x)["profiling_name"].split(":")[0] for x in f if x.strip()}
