@@ -20,7 +20,8 @@
 #                PORTSPEED_TE_KERNELS=reference, and Megatron's local spec: step time, peak memory, SDPA ops
 #   attention    benchmarks/bench_te_kernels.py's attention table on the GPU (fp32, bf16; MHA, GQA; 1k-16k)
 #   extra_*      (GPU only, if present, in the time left) benchmarks/check_sdpa_cuda.py, check_te_kernels_cuda.py,
-#                bench_grouped_stack.py --device cuda: their own output is in their logs
+#                bench_grouped_stack.py --device cuda, check_trace_nccl.py (torch's NCCL flight recorder dumped
+#                by portspeed's hang watchdog and at exit, read by why-hung): their own output is in their logs
 # Prints one table at the end; logs and JSON in $GPU_CHECK_LOGS (default /tmp/gpu_check), packed into
 # $OUT/gpu_check_logs.tgz (with $OUT/gpu_check_table.txt) when OUT is set.
 set -u
@@ -100,6 +101,8 @@ if [ "$DRY" != 1 ]; then
   [ -f benchmarks/check_te_kernels_cuda.py ] && part extra_check_te_kernels_cuda 60 "$PY" benchmarks/check_te_kernels_cuda.py
   [ -f benchmarks/bench_grouped_stack.py ] && part extra_bench_grouped_stack 60 "$PY" benchmarks/bench_grouped_stack.py \
     --device cuda
+  [ -f benchmarks/check_trace_nccl.py ] && part extra_check_trace_nccl 150 "$PY" benchmarks/check_trace_nccl.py \
+    --out "$LOGS"
 fi
 
 echo

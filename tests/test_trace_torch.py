@@ -5,7 +5,8 @@ only, the user's own never overridden, dumps into PORTSPEED_TRACE_DIR under the 
 reads); that ``init_process_group`` sets them before torch creates the group (a CPU torch, the CPU
 adapter told its backend is NCCL: the group cannot be made, the settings are already there); and that
 `portspeed why-hung` reads dumps written by torch's own writer (its Gloo recorder, 2 ranks, a real
-desync). Not checked here: an NCCL run's own dump on timeout (docs/reliability.md says so).
+desync); and that it reads a real NCCL dump (one rank on an H200, kept in tests/data). Not checked: torch's
+own dump on an NCCL timeout (docs/reliability.md says so).
 """
 
 from __future__ import annotations
@@ -76,3 +77,47 @@ def test_why_hung_reads_dumps_written_by_torchs_own_recorder(tmp_path: Path) -> 
                                f"{_site('after')}, the others from {_site('loop')}"), lines
     assert f"rank 1 issued 1 all_reduce fewer from {_site('loop')}" in lines[0], lines
     assert lines[-1].strip() == "dumps: rank 0: torch dump, rank 1: torch dump", lines
+
+
+NCCL_DUMP = REPO / "tests" / "data" / "nccl_dump_h200" / f"{TORCH_DUMP_PREFIX}0"
+
+
+def test_why_hung_reads_a_real_nccl_dump(tmp_path: Path) -> None:
+    """torch's NCCL recorder, turned on by portspeed and dumped by it (one rank, NVIDIA H200, torch 2.11, NCCL
+    2.28.9: benchmarks/check_trace_nccl.py). Read as it is, then as the first rank of a two-rank job whose
+    second rank's dump is this one with its collective #3 removed (a skip planted in the file; NCCL's own
+    format and frames kept)."""
+    import pickle
+    import shutil
+
+    faults = REPO / "tests" / "data" / "trace_faults.py"
+
+    def site(tag: str) -> str:
+        n = next(i for i, ln in enumerate(faults.read_text().splitlines(), 1) if ln.rstrip().endswith(f"# site: {tag}"))
+        return f"trace_faults.py:{n}"
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(NCCL_DUMP, alone)
+    code, lines = why_hung.answer(str(alone))
+    assert code == 1 and lines[0].startswith("no divergence"), lines
+    assert lines[-1].strip() == "dumps: rank 0: torch dump", lines
+    data = pickle.loads(NCCL_DUMP.read_bytes())
+    assert data["comm_lib_version"] == "2.28.9" and {e["profiling_name"] for e in data["entries"]} == {"nccl:all_reduce"}
+    # the call site through torch's NCCL frames (innermost first: c10d, its logger, portspeed's router)
+    from portspeed.cli.trace_dumps import call_site
+
+    assert [call_site(e) for e in data["entries"]] == [site("loop")] * 4 + [site("last")]
+
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    two = dict(data, pg_config={k: dict(v, ranks="[0, 1]") for k, v in data["pg_config"].items()})
+    (pair / f"{TORCH_DUMP_PREFIX}0").write_bytes(pickle.dumps(two))
+    skipped = [dict(e, collective_seq_id=e["collective_seq_id"] - (e["collective_seq_id"] > 3))
+               for e in data["entries"] if e["collective_seq_id"] != 3]
+    (pair / f"{TORCH_DUMP_PREFIX}1").write_bytes(pickle.dumps(dict(two, entries=skipped)))
+    code, lines = why_hung.answer(str(pair))
+    assert code == 0, lines
+    assert lines[0].startswith(f"desync: rank 1 issued all_reduce collective #4 of group 0 (default_pg) from "
+                               f"{site('last')}, the others from {site('loop')}"), lines
+    assert f"rank 1 issued 1 all_reduce fewer from {site('loop')}" in lines[0], lines

@@ -307,12 +307,12 @@ class Recorder:
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "wb") as f:
                 pickle.dump(data, f)
-            os.replace(tmp, path)
-            self._dumped_for = reason
-            if self.torch_fr:
+            if self.torch_fr:  # first: portspeed's file appearing tells the hang watchdog the rank is done
                 from portspeed.comm.trace_torch import dump_torch
 
                 dump_torch(folder, rank)
+            os.replace(tmp, path)
+            self._dumped_for = reason
             print(f"portspeed trace: rank {rank} dumped {len(entries)} entries ({reason}) to {path}",
                   file=sys.stderr, flush=True)
             return path

@@ -13,8 +13,9 @@ Where torch's recorder does not cover the backend (Gloo on torch 2.13 records co
 only, without times; vendor CCLs, the stand-in, testccl) nothing is set: portspeed's
 recorder is the record. A setting the user gave is never overridden.
 
-Unverified here: CI has no NVIDIA GPU; the settings and the call order are tested on CPU, the
-dump format with torch's own writer (Gloo); an NCCL run's dump is not.
+Verified on one H200 (benchmarks/check_trace_nccl.py, one rank): the watchdog's and the exit's dumps
+write torch's NCCL buffer, why-hung and torch's fr_trace read it. CI checks the settings and the call
+order on CPU, and reads that real NCCL dump. Not run: torch's own dump on an NCCL timeout (one GPU).
 """
 
 from __future__ import annotations
