@@ -50,10 +50,10 @@ def _worker(args: argparse.Namespace) -> None:
     if args.trace:  # the same routed function with portspeed.comm.trace's recording frame in front (A/B arm)
         os.environ["PORTSPEED_TRACE"] = str(args.trace)
         from portspeed import config
-        from portspeed.comm import trace
+        from portspeed.comm import trace, trace_wrappers
 
         config.reload()
-        recorded = trace.traced("all_reduce", router.COLLECTIVE_ROUTES["all_reduce"])(raw)
+        recorded = trace_wrappers.traced("all_reduce", router.COLLECTIVE_ROUTES["all_reduce"])(raw)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.pin:  # before the group exists, so Gloo's threads inherit the core
         cpus = sorted(os.sched_getaffinity(0))
@@ -121,7 +121,7 @@ def _worker(args: argparse.Namespace) -> None:
     decision_us = (time.perf_counter() - start) / 20000 * 1e6
     recording_us: dict[str, float] = {}
     if recorded is not None:  # the recorder alone: its frame around a no-op, with and without write-through
-        rec_noop = trace.traced("all_reduce")(noop)
+        rec_noop = trace_wrappers.traced("all_reduce")(noop)
         for label in ("write_through", "memory_only"):
             start = time.perf_counter()
             for _ in range(20000):

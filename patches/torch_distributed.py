@@ -12,7 +12,7 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import groups, router, trace, work
+from portspeed.comm import groups, router, trace, trace_wrappers, work
 
 __all__ = ["PATCHES"]
 
@@ -92,7 +92,7 @@ PATCHES: list[Patch] = [
         name=f"torch.distributed.{fn}.route",
         target=f"{_MOD}:{fn}",
         kind=WRAP,
-        impl=trace.traced(fn, router.COLLECTIVE_ROUTES[fn]) if _TRACING else router.COLLECTIVE_ROUTES[fn],
+        impl=trace_wrappers.traced(fn, router.COLLECTIVE_ROUTES[fn]) if _TRACING else router.COLLECTIVE_ROUTES[fn],
         style="function",
         distribution="torch",
         versions=">=2.13" if fn in _NEW_NAMES else _TORCH,
@@ -105,7 +105,7 @@ PATCHES: list[Patch] = [
         name=f"torch.distributed.{fn}.trace",
         target=f"{_MOD}:{fn}",
         kind=WRAP,
-        impl=trace.traced(fn) if fn != "batch_isend_irecv" else trace.traced_batch,
+        impl=trace_wrappers.traced(fn) if fn != "batch_isend_irecv" else trace_wrappers.traced_batch,
         style="function",
         distribution="torch",
         versions=_TORCH,

@@ -13,6 +13,7 @@ Contract
   error is handed back untouched; nothing here changes what a collective computes or when
   it completes. A call made inside a recorded one (a rewrite, ``batch_isend_irecv``'s own
   ``isend``) is not recorded twice.
+- The wrappers that feed it, one plain-function frame each, are ``portspeed.comm.trace_wrappers``.
 - Off (the default): the patches are not installed at all (``patches/torch_distributed.py``),
   so the routed hot path is the router's, unchanged. On: one plain-function frame in front
   of the routed function (docs/benchmarks.md, "Recording").
@@ -52,7 +53,7 @@ import time
 import weakref
 from typing import Any, Callable
 
-__all__ = ["OPS", "Recorder", "recorder", "enabled", "traced", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX",
+__all__ = ["OPS", "Recorder", "recorder", "enabled", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX",
            "WRITE_THROUGH_PREFIX", "HANG_ENV", "TORCH_DUMP_PREFIX"]
 
 log = logging.getLogger("portspeed.trace")
@@ -365,77 +366,3 @@ def dump(reason: str = "asked") -> str | None:
 def trace_dir() -> str | None:
     rec = _recorder
     return rec.folder_now() if rec is not None else None
-
-
-# ---------------------------------------------------------------------- the wrappers
-def traced(name: str, route: Callable[[Callable], Callable] | None = None) -> Callable[[Callable], Callable]:
-    """A factory ``make(original) -> recorded`` (``style="function"``): records ``name`` around ``route(original)``
-    (the router's function) or ``original`` itself."""
-    import torch
-
-    compiling = torch.compiler.is_dynamo_compiling
-
-    def make(original: Callable) -> Callable:
-        inner = route(original) if route is not None else original
-        rec = recorder()
-        if rec is None:
-            return inner
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            if rec.busy or compiling():
-                return inner(*args, **kwargs)
-            try:
-                e = rec.issue(name, args, kwargs)
-            except Exception:  # arguments torch itself will refuse (not tensors...): its error, not ours
-                rec.busy = False
-                return inner(*args, **kwargs)
-            try:
-                out = inner(*args, **kwargs)
-            except BaseException as error:
-                rec.fail(e, error)
-                raise
-            rec.done(e, out)
-            return out
-
-        recorded.__name__ = recorded.__qualname__ = getattr(original, "__name__", name)
-        recorded.__doc__ = f"torch.distributed.{name}, recorded by portspeed.comm.trace.\n\n" + (original.__doc__ or "")
-        recorded.__wrapped__ = original  # type: ignore[attr-defined]
-        return recorded
-
-    make.__name__ = make.__qualname__ = f"trace_{name}"
-    return make
-
-
-def traced_batch(original: Callable) -> Callable:
-    """``batch_isend_irecv``: one entry per operation of the batch (send or recv, with its peer)."""
-    rec = recorder()
-    if rec is None:
-        return original
-
-    def recorded(p2p_op_list: list) -> Any:
-        if rec.busy:
-            return original(p2p_op_list)
-        issued = []
-        try:
-            for p in p2p_op_list:
-                kind = "isend" if "send" in getattr(p.op, "__name__", "") else "irecv"
-                issued.append(rec.issue(kind, (p.tensor, p.peer, p.group), {}))
-        except Exception:  # not P2POps: torch's own check answers the call
-            rec.busy = False
-            return original(p2p_op_list)
-        rec.busy = True
-        try:
-            works = original(p2p_op_list)
-        except BaseException as error:
-            rec.fail(issued[-1] if issued else {"ps_op": "batch_isend_irecv"}, error)
-            raise
-        rec.busy = False
-        rec.in_flight = None
-        for e, w in zip(issued, works or []):
-            rec.done(e, w)
-        return works
-
-    recorded.__name__ = recorded.__qualname__ = "batch_isend_irecv"
-    recorded.__doc__ = original.__doc__
-    recorded.__wrapped__ = original  # type: ignore[attr-defined]
-    return recorded
