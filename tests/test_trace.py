@@ -69,12 +69,10 @@ FAULTS = {
 }
 
 
-#: (backend label, environment) of the other backends a fault also runs on
+#: backend label -> environment: every fault runs on each (testdev cases marked testdev)
 BACKENDS = {"cpu": {}, "standin": {"PORTSPEED_BACKEND": "standin"}, "testdev": {"PORTSPEED_ACCELERATOR": "testdev"}}
-CASES = [pytest.param("cpu", m, id=f"cpu-{m}") for m in FAULTS] + [
-    pytest.param("standin", "skip", id="standin-skip"), pytest.param("standin", "p2p", id="standin-p2p"),
-    pytest.param("testdev", "skip", id="testdev-skip", marks=pytest.mark.testdev),
-    pytest.param("testdev", "p2p", id="testdev-p2p", marks=pytest.mark.testdev)]
+CASES = [pytest.param(b, m, id=f"{b}-{m}", marks=[pytest.mark.testdev] if b == "testdev" else [])
+         for b in BACKENDS for m in FAULTS]
 
 
 @pytest.mark.parametrize("backend,mode", CASES)
@@ -92,11 +90,15 @@ def test_planted_fault_is_named_in_the_closing_lines(backend: str, mode: str, tm
     assert lines.index(why[0]) < len(lines) - 1  # the answer first, then the folder
     if want_code == 1:  # ended by the watchdog (or a rank's error), each live rank dumped
         assert "portspeed run: no rank completed a collective" in text or "RuntimeError ended the rank" in text
-    assert sorted(p.name for p in folder.glob("portspeed_trace_rank_?")) == ["portspeed_trace_rank_0",
-                                                                            "portspeed_trace_rank_1"]
+    dumped = sorted(int(p.name[-1]) for p in folder.glob("portspeed_trace_rank_?"))
+    for r in {0, 1} - set(dumped):  # only a rank its backend aborted in C++ (Gloo's size check under the stand-in's
+        # op mismatch: std::terminate, no Python left to dump) is read from its write-through file
+        assert re.search(rf"rank {r} \(local rank {r} on .*\) killed by SIGABRT", text), text[-4000:]
+        assert (folder / f"portspeed_last_calls_{r}.txt").exists()
+    assert dumped, text[-4000:]
     if backend != "cpu":  # the CCL's inner group: listed (and, for the stand-in, its ring steps recorded) as staging
         owner = {"standin": "standin", "testdev": "testccl"}[backend]
-        d = pickle.loads((folder / "portspeed_trace_rank_0").read_bytes())
+        d = pickle.loads((folder / f"portspeed_trace_rank_{dumped[0]}").read_bytes())
         assert any(c.get("ps_staging") == owner and c["desc"].startswith(f"staging group of {owner}")
                    for c in d["pg_config"].values()), d["pg_config"]
         staged = d["ps_staged"]

@@ -121,6 +121,8 @@ def test_send_without_recv_and_p2p_shape(tmp_path: Path, capsys: pytest.CaptureF
     code, lines = ask(d2, capsys)
     assert code == 0 and lines[0].startswith("point-to-point shape mismatch in group 0"), lines
     assert "[[4]]" in lines[0] and "[[2, 2]]" in lines[0]
+    # each side's own p2p sequence number and call site
+    assert "(rank 0's p2p #1, at train.py:60)" in lines[0] and "(rank 1's p2p #1, at train.py:70)" in lines[0], lines
 
 
 def test_straggler(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -258,11 +258,13 @@ def _p2p(g: tuple, pairs: dict[tuple[int, int], dict[str, list]], last: dict) ->
         sends, recvs = ops["send"], ops["recv"]
         for k, (s, r) in enumerate(zip(sends, recvs)):
             if s.get("input_sizes") != r.get("output_sizes") or s.get("input_dtypes") != r.get("output_dtypes"):
-                return Finding(
+                return Finding(  # each side's own p2p sequence number in the group: what its dump lists
                     f"point-to-point shape mismatch in {_gname(name, desc)}: send #{k + 1} from rank {src} to rank "
-                    f"{dst} carries {s.get('input_sizes')} {s.get('input_dtypes')} (at {_site(s)}), rank {dst} "
-                    f"receives {r.get('output_sizes')} {r.get('output_dtypes')} (at {_site(r)})",
-                    [f"rank {x}: last entry {_describe(last.get(x))}" for x in (src, dst)])
+                    f"{dst} carries {s.get('input_sizes')} {s.get('input_dtypes')} (rank {src}'s p2p "
+                    f"#{s.get('p2p_seq_id')}, at {_site(s)}), rank {dst} receives {r.get('output_sizes')} "
+                    f"{r.get('output_dtypes')} (rank {dst}'s p2p #{r.get('p2p_seq_id')}, at {_site(r)})",
+                    [f"rank {src}: {_describe(s)}", f"rank {dst}: {_describe(r)}"]
+                    + [f"rank {x}: last entry {_describe(last.get(x))}" for x in (src, dst)])
         if len(sends) != len(recvs):
             more, kind, who, other = (sends, "send", src, dst) if len(sends) > len(recvs) else (recvs, "recv", dst, src)
             e = more[min(len(sends), len(recvs))]
