@@ -12,11 +12,12 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import groups, router, trace, trace_wrappers, work
+from portspeed.comm import groups, router, trace, trace_funcol, trace_wrappers, work
 
 __all__ = ["PATCHES"]
 
 _MOD = "torch.distributed.distributed_c10d"
+_FUNCOL = "torch.distributed._functional_collectives"  # DTensor / TP / FSDP2's collectives: recorded when tracing
 _TORCH = ">=2.6"
 
 _COLLECTIVE_REASONS = {
@@ -113,4 +114,18 @@ PATCHES: list[Patch] = [
                "why-hung`.",
     )
     for fn in (*_RECORDED, "batch_isend_irecv")
+] if _TRACING else []) + ([
+    Patch(
+        name=f"torch.distributed._functional_collectives.{fn}.trace",
+        target=f"{_FUNCOL}:{fn}",
+        kind=WRAP,
+        impl=trace_funcol.traced(fn),
+        style="function",
+        distribution="torch",
+        versions=since,
+        reason="PORTSPEED_TRACE is on: DTensor, TP and FSDP2 call torch's functional collectives, which never pass "
+               "through the functions above; record them too (wait_tensor: when a result is waited, its call is "
+               "completed).",
+    )
+    for fn, since in trace_funcol.RECORDED.items()
 ] if _TRACING else [])
