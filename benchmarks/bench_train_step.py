@@ -24,6 +24,11 @@ recorded ``torch.distributed`` function swapped back, wherever it is bound, for 
 wraps (the router's, or torch's): recording off, as a run without ``PORTSPEED_TRACE`` has it::
 
     OMP_NUM_THREADS=1 python benchmarks/bench_train_step.py --pairs 30 --trace 2000
+
+``--trace N --per-call``: the same A/B, resolved per call (a 2 % effect is within a shared machine's
+step-to-step noise): every binding, recorded or not, goes through one timing frame; each call's time
+is kept by its position in the step, and the recorder's cost per step is the sum over positions of
+median(recording) - median(off). (The recorded entries then name the timing frame as the caller.)
 """
 
 from __future__ import annotations
@@ -129,6 +134,30 @@ def _recorded_bindings() -> list[tuple[dict, str, object, object]]:
     return out
 
 
+def per_call_timers(bindings: list, clock=time.perf_counter_ns) -> tuple[list, list, dict]:
+    """Bindings that time every call (recorded and unrecorded alike, one frame each): (recorded bindings,
+    unrecorded bindings, {"pos": [next position in the step], "on": {position: [ns]}, "off": {...}})."""
+    state: dict = {"pos": [0], "side": None, "on": {}, "off": {}}  # side None: not kept (warm-up)
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = clock() - t0
+                if state["side"] is not None:
+                    p = state["pos"][0]
+                    state["pos"][0] = p + 1
+                    state[state["side"]].setdefault(p, []).append(dt)
+        return call
+
+    made: dict[int, object] = {}
+    on = [(ns, k, made.setdefault(id(r), timed(r)), None) for ns, k, r, _ in bindings]
+    off = [(ns, k, None, made.setdefault(id(u), timed(u))) for ns, k, _, u in bindings]
+    return on, off, state
+
+
 @contextlib.contextmanager
 def unrecorded(bindings: list) -> Iterator[None]:
     """Recording off for the block: each binding back to the function the recorder wraps."""
@@ -182,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden-size", default="64")
     p.add_argument("--trace", type=int, default=None, metavar="N",
                    help="A/B the flight recorder instead: A recording (ring of N), B recording off")
+    p.add_argument("--per-call", action="store_true",
+                   help="with --trace: also time each call through its binding, by position in the step")
     opts = p.parse_args(argv)
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(_free_port())}.items():
@@ -192,10 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     args = pg.parse_args(["--num-layers", opts.num_layers, "--hidden-size", opts.hidden_size, "--seq-length", "32",
                           "--vocab-size", "128", "--global-batch-size", "8", "--micro-batch-size", "2"])
     model, optimizer, _, _ = pg.setup(args)
+    timers = None
     if opts.trace:
         bindings = _recorded_bindings()
         assert bindings, "PORTSPEED_TRACE is set but no recorded torch.distributed function was found"
         other = lambda: unrecorded(bindings)  # noqa: E731
+        if opts.per_call:  # A: the timed recorded functions; B: the timed unrecorded ones
+            on, off, timers = per_call_timers(bindings)
+            for ns, k, f, _ in on:
+                ns[k] = f
+            swap = [(ns, k, f, plain) for (ns, k, f, _), (_, _, _, plain) in zip(on, off)]
+            other = lambda: unrecorded(swap)  # noqa: E731
         from portspeed.comm import trace
         rec = trace.recorder()
         first_id = rec.record_id
@@ -213,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("AB" if i % 2 == 0 else "BA"):
             it += 1
             ctx = other() if side == "B" else contextlib.nullcontext()
+            if timers is not None:
+                timers["pos"][0], timers["side"] = 0, ("on" if side == "A" else "off")
             with ctx:
                 t0 = time.perf_counter()
                 pg.train_step(args, model, optimizer, it)
@@ -227,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
               f"recording median {a * 1e3:.2f} ms, off median {b * 1e3:.2f} ms, ratio {a / b:.4f}; "
               f"min {amin * 1e3:.2f} / {bmin * 1e3:.2f} ms, ratio of minima {amin / bmin:.4f}; "
               f"median of pair ratios {paired:.4f}")
+        if timers is not None:
+            both = sorted(set(timers["on"]) & set(timers["off"]))
+            deltas = [(statistics.median(timers["on"][q]) - statistics.median(timers["off"][q])) / 1e3 for q in both]
+            print(f"per call ({len(both)} call positions a step, {opts.pairs} steps each side): recording adds "
+                  f"{sum(deltas):.0f} us a step ({sum(deltas) / (b * 1e6):.2%} of the off median), "
+                  f"median {statistics.median(deltas):.1f} us a call; by position (us): "
+                  + " ".join(f"{d:.0f}" for d in deltas))
         return 0
     counts = count_translation_calls(lambda: pg.train_step(args, model, optimizer, it + 1))
     print("portspeed calls in one step: " + ", ".join(f"{k} {v}" for k, v in counts.most_common()))

@@ -107,35 +107,87 @@ _FRAMES = 4  # caller frames kept per entry
 _TORCH_DIST = "\0"
 
 
+#: first-seen caches for the hot path (issue 25): a dtype's c10 name and a device's string, by the object itself
+_DT_NAMES: dict = {}
+_DEV_NAMES: dict = {}
+#: the caller frames already seen: (id(code), f_lasti) -> (code, frame dict, repr of (name, filename, line)); the
+#: code is kept to tell a reused id apart. Entries share the frame dicts (read-only). Cleared past _SITES_MAX.
+_SITES: dict = {}
+_SITES_MAX = 4096
+#: one tensor in and out (the usual call): (shape, dtype, device) -> ([sizes], [dtype name], device name, the
+#: write-through repr of (input sizes, input dtypes, output sizes, output dtypes)); entries share the lists
+_META: dict = {}
+_C10D: Any = None  # torch.distributed.distributed_c10d (set by the first Recorder)
+
+
+def _dtype_name(dt: Any) -> str:
+    name = _DT_NAMES.get(dt)
+    if name is None:
+        s = str(dt)
+        name = _DT_NAMES[dt] = _DTYPES.get(s[6:], s)
+    return name
+
+
 def _sizes(x: Any) -> tuple[list, list]:
     if x is None:
         return [], []
     if isinstance(x, (list, tuple)):
-        return [list(t.shape) for t in x], [_DTYPES.get(str(t.dtype)[6:], str(t.dtype)) for t in x]
-    return [list(x.shape)], [_DTYPES.get(str(x.dtype)[6:], str(x.dtype))]
+        return [list(t.shape) for t in x], [_DT_NAMES.get(t.dtype) or _dtype_name(t.dtype) for t in x]
+    return [list(x.shape)], [_DT_NAMES.get(x.dtype) or _dtype_name(x.dtype)]
 
 
 def _device(x: Any) -> str:
     if isinstance(x, (list, tuple)):
         x = x[0] if x else None
-    return str(x.device) if x is not None and hasattr(x, "device") else ""
+    d = getattr(x, "device", None) if x is not None else None
+    if d is None:
+        return "" if x is None or not hasattr(x, "device") else "None"
+    try:
+        name = _DEV_NAMES.get(d)
+        if name is None:
+            name = _DEV_NAMES[d] = str(d)
+        return name
+    except TypeError:  # not hashable: not a torch.device
+        return str(d)
+
+
+def _meta(x: Any) -> tuple:
+    """A tensor's (shape, dtype, device) seen for the first time (see ``_META``)."""
+    if len(_META) >= _SITES_MAX:
+        _META.clear()
+    ins, idt = _sizes(x)
+    m = _META[(x.shape, x.dtype, x.device)] = (ins, idt, _device(x), f"{ins!r}, {idt!r}, {ins!r}, {idt!r}")
+    return m
+
+
+def _site(code: Any, f: Any) -> tuple:
+    """A caller frame seen for the first time: its dict (as entries carry it) and its write-through repr."""
+    if len(_SITES) >= _SITES_MAX:
+        _SITES.clear()
+    frame = {"name": code.co_name, "filename": code.co_filename, "line": f.f_lineno}
+    site = _SITES[(id(code), f.f_lasti)] = (code, frame, ", ".join(map(repr, frame.values())))
+    return site
 
 
 class Recorder:
     """One rank's ring buffer, its per-group sequence numbers, and the files it writes."""
 
     def __init__(self, size: int, folder: str | None = None, timeout_s: float = 300.0) -> None:
-        global _TORCH_DIST
+        global _TORCH_DIST, _C10D
         import torch.distributed
+        from torch.distributed import distributed_c10d
 
         _TORCH_DIST = os.path.dirname(torch.distributed.__file__) + os.sep
+        _C10D = distributed_c10d
         self.entries: collections.deque = collections.deque(maxlen=size)
         self.busy = False  # inside a recorded call: nested calls are not recorded
         self.record_id = 0
-        #: id(group) -> [name, desc, ranks, coll seq, p2p seq, backend, weakref to the group] (no strong reference:
-        #: a group kept alive here past destroy_process_group is destroyed at interpreter exit, where Gloo aborted
-        #: rank 1 of the control run in 2 of 5 tries; 0 of 4 since)
+        #: id(group) -> [name, desc, ranks, coll seq, p2p seq, backend, weakref to the group, write-through repr of
+        #: (name, desc), repr of ranks, {op: (profiling name, its repr)}, this rank in the group] (no strong
+        #: reference: a group kept alive here past destroy_process_group is destroyed at interpreter exit, where
+        #: Gloo aborted rank 1 of the control run in 2 of 5 tries; 0 of 4 since)
         self.groups: dict[Any, list] = {}
+        self._world: list | None = None  # the groups row of group=None (the default group), checked on each use
         self.folder = folder
         self.timeout_s = timeout_s
         self.last_done_ns = time.time_ns()
@@ -166,25 +218,46 @@ class Recorder:
                 alive = weakref.ref(pg)
             except TypeError:
                 alive = lambda pg=pg: pg  # noqa: E731  (None before init)
-            g = [name, desc, ranks, 0, 0, backend.split(":")[-1], alive]
+            g = [name, desc, ranks, 0, 0, backend.split(":")[-1], alive, f"{name!r}, {desc!r}", repr(ranks), {}, -1]
+            g[10] = self._local(g, None)
             self.groups[id(pg)] = g
         return g
 
     def forget_groups(self) -> None:
         """A destroyed group's sequence numbers must not carry over to a new group at the same address."""
         self.groups.clear()
+        self._world = None
 
     # ------------------------------------------------------------------ entries
     def issue(self, name: str, args: tuple, kwargs: dict) -> dict:
-        """Record a call about to be made (state "scheduled"); mark this recorder busy."""
+        """Record a call about to be made (state "scheduled"); mark this recorder busy.
+
+        Runs inside the step, where its code and data are cold: it runs ~3x its microbenchmark time
+        (docs/benchmarks.md, "Recording"), so what can be is looked up, not rebuilt: the group's row
+        without an import, dtype and device names by object, the caller frames and their repr by site."""
         self.busy = True
         ip, ik, op_, ok, gp, pp, pk, fr = OPS[name]
         n = len(args)
-        g = self._group(args[gp] if n > gp else kwargs.get("group"))
+        group = args[gp] if n > gp else kwargs.get("group")
+        if group is None:
+            g = self._world
+            if g is None or g[6]() is not _C10D.GroupMember.WORLD:
+                g = self._world = self._group(None)
+        else:
+            g = self.groups.get(id(group))
+            if g is None or g[6]() is not group:
+                g = self._group(group)
         x = (args[ip] if n > ip else kwargs.get(ik)) if ip >= 0 else None
         y = (args[op_] if n > op_ else kwargs.get(ok)) if op_ >= 0 else None
-        ins, idt = _sizes(x)
-        outs, odt = (ins, idt) if y is x else _sizes(y)
+        if y is x and x is not None and not isinstance(x, (list, tuple)):  # one tensor, in place (all_reduce...)
+            m = _META.get((x.shape, x.dtype, x.device)) or _meta(x)
+            ins, idt, device, sizes_repr = m
+            outs, odt = ins, idt
+        else:
+            ins, idt = _sizes(x)
+            outs, odt = (ins, idt) if y is x else _sizes(y)
+            device = _device(x if x is not None else y)
+            sizes_repr = f"{ins!r}, {idt!r}, {outs!r}, {odt!r}"
         self.record_id += 1
         if pp >= 0:
             g[4] += 1
@@ -192,34 +265,50 @@ class Recorder:
             if peer is None:  # group_dst / group_src: a rank of the group
                 local = kwargs.get("group_" + pk, -1)
                 peer = g[2][local] if 0 <= local < len(g[2]) else -1
-            me, there = self._local(g, None), self._local(g, peer)
+            me, there = g[10], self._local(g, peer)
             prof = f"{g[5]}:{fr} {me}->{there}" if fr == "send" else f"{g[5]}:{fr} {me}<-{there}"
+            prof_repr = repr(prof)
         else:
             g[3] += 1
             peer = -1
-            prof = f"{g[5]}:{fr}"
+            p = g[9].get(name)
+            if p is None:
+                p = g[9][name] = (f"{g[5]}:{fr}", repr(f"{g[5]}:{fr}"))
+            prof, prof_repr = p
         frames, f, via = [], sys._getframe(2), ""
         while f is not None and f.f_code.co_filename.startswith(_TORCH_DIST):  # all_gather_object & co: their caller
             if f.f_code.co_name not in ("wrapper", "_fn"):  # torch's logging / compile decorators
                 via = f.f_code.co_name
             f = f.f_back
+        site = None
         while f is not None and len(frames) < _FRAMES:
             code = f.f_code
-            frames.append({"name": code.co_name, "filename": code.co_filename, "line": f.f_lineno})
+            s = _SITES.get((id(code), f.f_lasti))
+            if s is None or s[0] is not code:
+                s = _site(code, f)
+            if site is None:
+                site = s
+            frames.append(s[1])
             f = f.f_back
         e = {"record_id": self.record_id, "pg_id": 0, "process_group": (g[0], g[1]), "collective_seq_id": g[3],
              "p2p_seq_id": g[4], "op_id": self.record_id, "profiling_name": prof, "time_created_ns": time.time_ns(),
              "input_sizes": ins, "input_dtypes": idt, "output_sizes": outs, "output_dtypes": odt,
              "state": "scheduled", "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
              "retired": False, "timeout_ms": int(self.timeout_s * 1000), "is_p2p": pp >= 0, "frames": frames,
-             "ps_op": name, "ps_peer": peer, "ps_device": _device(x if x is not None else y), "ps_async": False,
-             "ps_ranks": g[2]}
+             "ps_op": name, "ps_peer": peer, "ps_device": device, "ps_async": False, "ps_ranks": g[2]}
         if via:
             e["ps_via"] = via  # the torch function that made this call (all_gather_object, broadcast_object_list...)
         self.entries.append(e)
         self.in_flight = e
         if self._wt_fd is not None:
-            self._write_through(e)
+            # the repr of the WRITE_THROUGH_FIELDS tuple, its constant parts (group, call site) repr'd once
+            line = "(%d, %s, %d, %d, %s, %s, %d, %r, %r, %s, %r, %s)\n" % (
+                e["record_id"], g[7], g[3], g[4], prof_repr, sizes_repr, e["time_created_ns"], pp >= 0, peer, g[8],
+                name, site[2] if site is not None else "'?', '?', 0")
+            try:
+                os.write(self._wt_fd, line.encode())
+            except OSError:
+                self._wt_fd = None
         return e
 
     def _local(self, g: list, rank: int | None) -> int:
