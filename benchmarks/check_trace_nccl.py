@@ -8,6 +8,10 @@ device, so one rank) this runs `tests/data/trace_faults.py` under `portspeed run
          watchdog dumps (SIGUSR1) and ends the job. torch's NCCL buffer must be dumped next to portspeed's.
   exit:  `PORTSPEED_TRACE_ON_EXIT=1`, mode `none`: dumped at a normal exit.
 
+Then (``cost``) the recording frame's cost on NCCL, in one process (one rank): a 4 KB ``all_reduce`` raw, routed,
+and routed with the recording frame; a 4 KB funcol ``all_reduce`` (waited) raw and recorded. Arms run in
+alternating blocks of calls, each block closed by a device synchronisation; medians of the per-call block means.
+
 For each dump folder it records: the files, the closing lines, torch's dump (version, entries, states, op
 names, whether completion times are filled), `portspeed why-hung` on torch's dump alone (expected: exit 1,
 no divergence), and torch's own reader (`python -m torch.distributed.flight_recorder.fr_trace`) on it.
@@ -82,11 +86,81 @@ def _read_alone(folder: Path) -> dict[str, Any]:
             "fr_trace_rc": fr.returncode, "fr_trace_tail": (fr.stdout + fr.stderr).splitlines()[-4:]}
 
 
+def cost(blocks: int = 40, per_block: int = 200) -> dict[str, Any]:
+    """The recording frame's cost on this device's backend (NCCL on a GPU), one rank, in this process."""
+    import datetime
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    import portspeed
+    from portspeed.comm import router
+
+    os.environ["PORTSPEED_TRACE"] = "2000"
+    os.environ.setdefault("PORTSPEED_TRACE_DIR", "/tmp/check_trace_nccl_cost")
+    from portspeed import config
+    from portspeed.comm import trace_funcol, trace_wrappers
+
+    config.reload()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        from portspeed.adapters.cuda import CudaAccelerator as Adapter
+    else:
+        from portspeed.adapters.cpu import CpuAccelerator as Adapter
+    portspeed.set_accelerator(Adapter())
+    raw = dist.all_reduce
+    routed = router.COLLECTIVE_ROUTES["all_reduce"](raw)
+    recorded = trace_wrappers.traced("all_reduce", router.COLLECTIVE_ROUTES["all_reduce"])(raw)
+    raw_f = funcol.all_reduce
+    rec_f = trace_funcol.traced("all_reduce")(raw_f)
+    port = 29500 + os.getpid() % 2000
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=60))
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    t = torch.ones(1024, device=dev)
+    group = dist.group.WORLD
+    arms = {"raw": lambda: raw(t), "raw_again": lambda: raw(t), "routed": lambda: routed(t),
+            "routed_recorded": lambda: recorded(t),
+            "funcol_raw": lambda: raw_f(t, "sum", group).wait(), "funcol_recorded": lambda: rec_f(t, "sum", group).wait()}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for fn in arms.values():
+        for _ in range(50):
+            fn()
+    sync()
+    means: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for b in range(blocks):
+        order = names[b % len(names):] + names[:b % len(names)]
+        for name in order:
+            fn = arms[name]
+            sync()
+            s0 = time.perf_counter()
+            for _ in range(per_block):
+                fn()
+            sync()
+            means[name].append((time.perf_counter() - s0) / per_block * 1e6)
+    med = {k: statistics.median(v) for k, v in means.items()}
+    dist.destroy_process_group()
+    return {"us_per_call": {k: round(v, 2) for k, v in med.items()},
+            "ratios": {"raw_again/raw": round(med["raw_again"] / med["raw"], 3),
+                       "routed/raw": round(med["routed"] / med["raw"], 3),
+                       "routed_recorded/raw": round(med["routed_recorded"] / med["raw"], 3),
+                       "routed_recorded/routed": round(med["routed_recorded"] / med["routed"], 3),
+                       "funcol_recorded/funcol_raw": round(med["funcol_recorded"] / med["funcol_raw"], 3)},
+            "method": f"{blocks} rounds of alternating blocks of {per_block} calls, synchronised; medians of block means"}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("/tmp/check_trace_nccl"))
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--cost-only", action="store_true", help="only the in-process cost A/B")
     args = p.parse_args()
+    if args.cost_only:
+        print(json.dumps(cost(), indent=1))
+        return 0
     import torch
 
     adapter = args.device
@@ -108,6 +182,13 @@ def main() -> int:
         print("    torch dump:", json.dumps(run["torch_dump"], default=str)[:900])
         if "read_alone" in run:
             print("    torch dump alone:", json.dumps(run["read_alone"], default=str)[:900])
+    try:  # in a child: the recorder and the patches it sets up must not touch this process
+        c = subprocess.run([sys.executable, __file__, "--cost-only", "--device", args.device], cwd=REPO,
+                           capture_output=True, text=True, timeout=180)
+        result["cost"] = json.loads(c.stdout[c.stdout.index("{"):]) if c.returncode == 0 else {"error": c.stderr[-1500:]}
+    except Exception as exc:
+        result["cost"] = {"error": repr(exc)}
+    print("== cost:", json.dumps(result["cost"])[:1500])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trace_nccl.json").write_text(json.dumps(result, indent=1, default=str))
     return 0
