@@ -123,6 +123,9 @@ RUN_LINES = [
     (["--hang-timeout", "soon", "train.py"], {}, ["--hang-timeout 'soon' is not a positive number of seconds"]),
     (["--hang-timeout", "60", "train.py"], {"PORTSPEED_TRACE": "0"}, ["--hang-timeout needs the flight recorder",
                                                                        "PORTSPEED_TRACE=0"]),
+    # a folder no one can make, root included (root passes the settings' permission check everywhere)
+    (["--hang-timeout", "60", "train.py"], {"PORTSPEED_TRACE_DIR": "/proc/portspeed-dumps"},
+     ["PORTSPEED_TRACE_DIR='/proc/portspeed-dumps' is not a writable folder"]),
 ]
 
 

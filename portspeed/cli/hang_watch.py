@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Iterator
 
-from portspeed.errors import PortspeedError
+from portspeed.errors import ConfigError, PortspeedError
 
 __all__ = ["Hang", "check", "prepare", "watching", "closing_lines", "DEFAULT_ENTRIES"]
 
@@ -77,7 +77,13 @@ def prepare(hang_s: float | None) -> str | None:
     folder = os.environ.get("PORTSPEED_TRACE_DIR", "").strip()
     if folder:
         folder = os.path.abspath(folder)
-        os.makedirs(folder, exist_ok=True)
+        try:  # settings checked it by permissions; root passes those everywhere, so write to it for real
+            os.makedirs(folder, exist_ok=True)
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as exc:
+            raise ConfigError(f"PORTSPEED_TRACE_DIR={folder!r} is not a writable folder ({exc.strerror or exc}); "
+                              "give a folder this user can write, or unset it for a new one under the temporary "
+                              "directory") from None
     else:
         folder = tempfile.mkdtemp(prefix="portspeed-trace-")
         os.environ["PORTSPEED_TRACE_DIR"] = folder
