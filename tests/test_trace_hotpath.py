@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from portspeed.comm import trace  # noqa: E402
+from portspeed.comm import trace
 
 
 @pytest.fixture
