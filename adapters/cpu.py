@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from portspeed.accelerator import Accelerator
+from portspeed.vendor import Accelerator
 
 __all__ = ["CpuAccelerator", "NullStream", "NullEvent"]
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from portspeed.accelerator import Accelerator
-from portspeed.errors import MissingVendorPackageError
+from portspeed.vendor import Accelerator, MissingVendorPackageError
 
 __all__ = ["CudaAccelerator"]
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.comm.capabilities import BITWISE_OPS, REDUCING_COLLECTIVES, BackendGaps
+from portspeed.vendor import BITWISE_OPS, REDUCING_COLLECTIVES, BackendGaps, PrivateUse1Accelerator
 
 __all__ = ["MluAccelerator"]
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.comm.capabilities import REDUCING_COLLECTIVES, BackendGaps
+from portspeed.vendor import REDUCING_COLLECTIVES, BackendGaps, PrivateUse1Accelerator
 
 __all__ = ["MusaAccelerator"]
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.comm.capabilities import BITWISE_OPS, BackendGaps
+from portspeed.vendor import BITWISE_OPS, BackendGaps, PrivateUse1Accelerator
 
 __all__ = ["NpuAccelerator"]
 

@@ -21,9 +21,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.comm.capabilities import BITWISE_OPS, BackendGaps
-from portspeed.errors import MissingVendorPackageError
+from portspeed.vendor import BITWISE_OPS, BackendGaps, MissingVendorPackageError, PrivateUse1Accelerator
 
 __all__ = ["XpuAccelerator"]
 

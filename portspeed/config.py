@@ -5,7 +5,7 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 
 | variable | values | meaning |
 |---|---|---|
-| PORTSPEED_ACCELERATOR | adapter name (`cpu`, `cuda`, `npu`, ...) | skip auto-detection |
+| PORTSPEED_ACCELERATOR | adapter name (`cpu`, `cuda`, `npu`, ...), `module:Class` or `path/to/file.py:Class` | skip auto-detection; the last two forms name an adapter that is not installed (a relative path is taken from where the command started) |
 | PORTSPEED_BACKEND | c10d backend name (`gloo`, `nccl`, `hccl`, ...) | override the adapter's default backend |
 | PORTSPEED_STRICT | 0/1, true/false, yes/no, on/off | any skipped or failed patch raises |
 | PORTSPEED_DISABLE | comma-separated patch names or name prefixes | block those patches |
@@ -31,8 +31,8 @@ from typing import Iterable, Mapping
 
 from portspeed.errors import ConfigError
 
-__all__ = ["Settings", "settings", "reload", "parse_bool", "parse_names", "parse_te_kernels", "TE_KERNEL_OPS",
-           "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV"]
+__all__ = ["Settings", "settings", "reload", "parse_accelerator", "parse_bool", "parse_names", "parse_te_kernels",
+           "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -56,6 +56,24 @@ def parse_bool(var: str, value: str) -> bool:
     raise ConfigError(
         f"{var}={value!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off"
     )
+
+
+def parse_accelerator(value: str, var: str = "PORTSPEED_ACCELERATOR=") -> str:
+    """An adapter name (lower-cased), ``module:Class`` or ``path/to/file.py:Class`` (kept as written), by form only;
+    ConfigError names ``var`` (``"PORTSPEED_ACCELERATOR="``, ``"--adapter "``) and the accepted forms."""
+    acc = value.strip()
+    target, colon, qualname = acc.rpartition(":")
+    if not colon:
+        if _NAME.match(acc.lower()):
+            return acc.lower()
+    elif (all(p.isidentifier() for p in qualname.split("."))
+          and (target.endswith(".py") and len(os.path.basename(target)) > 3
+               or all(p.isidentifier() for p in target.split(".")))):
+        return acc
+    raise ConfigError(
+        f"{var}{value!r} is not an adapter name, module:Class or path/to/file.py:Class; expected something like "
+        "'cpu', 'npu', 'acme_torch.adapter:AcmeAccelerator' or 'acme.py:AcmeAccelerator' (no device index; "
+        "`portspeed info` lists the adapters)")
 
 
 def parse_names(var: str, value: str, pattern: re.Pattern[str], kind: str, hint: str) -> tuple[str, ...]:
@@ -180,12 +198,7 @@ class Settings:
         kw: dict = {}
         acc = env.get("PORTSPEED_ACCELERATOR", "").strip()
         if acc:
-            if not _NAME.match(acc.lower()):
-                raise ConfigError(
-                    f"PORTSPEED_ACCELERATOR={acc!r} is not an adapter name; expected something like "
-                    "'cpu', 'cuda', 'npu' (run `portspeed info` to list the adapters)"
-                )
-            kw["accelerator"] = acc.lower()
+            kw["accelerator"] = parse_accelerator(acc)
         backend = env.get("PORTSPEED_BACKEND", "").strip()
         if backend:
             if not _NAME.match(backend.lower()):

@@ -36,8 +36,8 @@ from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, 
 from helpers.launch import child_json  # noqa: E402
 
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
-from portspeed.adapters.privateuse1 import ModuleGenerator, PrivateUse1Accelerator, registered_backend  # noqa: E402
-from portspeed.comm.capabilities import KNOWN_BACKENDS, check_backend_name  # noqa: E402
+from portspeed.vendor import ModuleGenerator, PrivateUse1Accelerator, registered_backend  # noqa: E402
+from portspeed.accelerator.capabilities import KNOWN_BACKENDS, check_backend_name  # noqa: E402
 from portspeed.errors import MissingVendorPackageError, UnknownBackendError, UnsupportedCudaCallError  # noqa: E402
 
 ADAPTERS = tuple(BUILTIN_ADAPTERS)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from portspeed.accelerator import adapter_class
-from portspeed.comm.capabilities import (
+from portspeed.accelerator.capabilities import (
     CHUNK_SHAPED,
     KNOWN_BACKENDS,
     REDUCING_COLLECTIVES,

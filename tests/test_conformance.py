@@ -46,7 +46,7 @@ def test_cpu_adapter_skips_separation_with_the_reason() -> None:
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--adapter", "no-such-device"], "unknown accelerator 'no-such-device'"),
+    (["--adapter", "no-such-device"], "--adapter 'no-such-device' is not an adapter; accepted: cpu"),
     (["--adapter", "cpu", "--suites", "device,speed"], "unknown speed"),
     (["--adapter", "cpu", "--nproc", "1"], "at least 2 ranks"),
 ])

@@ -20,7 +20,7 @@ SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("portspeed.errors", "portspeed.config", "portspeed.versions", "portspeed.lazy"),
     "patching": ("portspeed.patching",),
-    "accelerator": ("portspeed.accelerator",),
+    "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
     "comm": ("portspeed.comm", "portspeed.router"),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te"),
     "parity": ("portspeed.parity",),
@@ -200,8 +200,12 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_moved_capabilities_module_is_one_module() -> None:
     """``portspeed.comm.capabilities`` (the old name) is the very module ``portspeed.accelerator.capabilities``."""
+    import warnings
+
     import portspeed.accelerator.capabilities as new
-    import portspeed.comm.capabilities as old
     from portspeed.comm import BackendGaps
 
+    with warnings.catch_warnings():  # deprecated (tests/test_vendor.py checks the warning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import portspeed.comm.capabilities as old
     assert old is new and BackendGaps is new.BackendGaps

@@ -24,7 +24,8 @@ from portspeed.comm import backends, groups, rewrites, router
 from portspeed.accelerator import Accelerator, adapter_class, reset_accelerator, set_accelerator
 from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.adapters.cuda import CudaAccelerator
-from portspeed.comm.capabilities import BackendGaps, Gap, capabilities_for
+from portspeed.accelerator.capabilities import Gap, capabilities_for
+from portspeed.vendor import BackendGaps
 from portspeed.errors import CollectiveUnsupportedError, ConfigError, UnknownBackendError
 from portspeed.patches.torch_distributed import PATCHES
 from portspeed.testing.standin_ccl import StandinAccelerator
@@ -496,7 +497,7 @@ def test_rewrite_work_runs_finish_once() -> None:
 
 def test_every_routed_collective_has_a_ladder_of_known_rules() -> None:
     """The rewrite table covers each collective a gap may name; every step names a rule; every rule is used."""
-    from portspeed.comm.capabilities import ROUTED_COLLECTIVES
+    from portspeed.vendor import ROUTED_COLLECTIVES
 
     assert set(rewrites.LADDERS) == set(ROUTED_COLLECTIVES)
     used = {step for ladder in rewrites.LADDERS.values() for step, _ in ladder}

@@ -248,7 +248,7 @@ def test_entry_point_adapter_not_detected_falls_through(monkeypatch: pytest.Monk
 
 def test_entry_point_that_is_not_an_adapter_is_refused(monkeypatch: pytest.MonkeyPatch, toy_distribution: Any) -> None:
     """An entry point resolving to something other than an Accelerator subclass raises naming it."""
-    with pytest.raises(UnknownAcceleratorError, match="'bogus'.*not a portspeed.accelerator.Accelerator"):
+    with pytest.raises(UnknownAcceleratorError, match="'bogus'.*not a portspeed.vendor.Accelerator"):
         adapter_class("bogus")
 
 

@@ -195,7 +195,8 @@ def test_conformance_names_a_planted_wrong_kernel_and_passes_a_right_one() -> No
                                 "rope": rope_torch}), report)
     failed = report.failed
     assert [c.name.split()[2] for c in failed] == ["rms_norm"], report.render()
-    assert "x [3, 5, 64], float32: output 0" in failed[0].detail and "> 1e-04" in failed[0].detail
+    assert 'rms_norm case "over the last dimension" with x [3, 5, 64], weight [64], float32: output 0: error ' \
+        in failed[0].detail and "> 1e-04, the band" in failed[0].detail, failed[0].detail
     assert len(report.checks) == 3 and not any(c.skipped for c in report.checks)
 
 

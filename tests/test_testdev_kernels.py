@@ -346,13 +346,15 @@ def test_conformance_passes_the_device_kernels_and_names_planted_wrong_ones() ->
         moved = {k for k, n in rt.counters().items() if n > before[k]}
         assert moved == {"rms_norm_fwd", "rms_norm_bwd", "attention_lse_fwd", "attention_lse_bwd"}, moved
         for op, kernel, words in (
-                ("rms_norm", off_in_value, "x [3, 5, 64], float32: output 0"),
-                ("rms_norm", off_in_gradient, "x [3, 5, 64], float32: gradient of input 0"),
-                ("attention_lse", lse_off, "MHA sq 16 sk 16 causal True, float32: output 1"),
-                ("attention_lse_backward", own_lse_backward, "MHA sq 16 sk 16 causal True, float32: output 0")):
+                ("rms_norm", off_in_value, 'rms_norm case "over the last dimension" with x [3, 5, 64], weight [64], '
+                                           "float32: output 0"),
+                ("rms_norm", off_in_gradient, "x [3, 5, 64], weight [64], float32: gradient of input 0"),
+                ("attention_lse", lse_off, 'attention_lse case "MHA sq 16 sk 16 causal True" with q [2, 4, 16, 16], '
+                                           "k [2, 4, 16, 16], v [2, 4, 16, 16], float32: output 1"),
+                ("attention_lse_backward", own_lse_backward, "out [2, 4, 16, 16], lse [2, 4, 16], float32: output 0")):
             failed = check(op, kernel).failed
             assert len(failed) == 1 and f"kernel {op} " in failed[0].name, failed
-            assert words in failed[0].detail and "> 1e-04" in failed[0].detail, failed[0].detail
+            assert words in failed[0].detail and "> 1e-04, the band" in failed[0].detail, failed[0].detail
     """)
 
 

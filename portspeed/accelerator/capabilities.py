@@ -1,4 +1,4 @@
-"""Collective capability records: what a backend lacks or gets wrong, and how an adapter declares it.
+"""Collective capability records: what a backend lacks or gets wrong, and torch's own backends' tables.
 
 Contract
 - ``Capabilities`` is a frozen record of ``Gap`` entries: a (collective, reduce op, dtype)
@@ -6,10 +6,10 @@ Contract
   not listed is taken to work, and the router sends it straight through.
   ``Capabilities.gap(collective, op, dtype)`` answers for one call (a dict lookup and a
   short loop; the router resolves one record per group and caches it).
-- ``BackendGaps`` is how an adapter says what its own collective library lacks, in a few
-  lines (``Accelerator.backend_gaps``); ``BackendGaps.capabilities(backend)`` turns it into
-  a record. The router asks the active adapter (``Accelerator.capabilities(backend)``),
-  never this module, for a group's record.
+- ``BackendGaps`` (``backend_gaps``, still importable from here) is how an adapter says what
+  its own collective library lacks, in a few lines (``Accelerator.backend_gaps``);
+  ``BackendGaps.capabilities(backend)`` turns it into a record. The router asks the active
+  adapter (``Accelerator.capabilities(backend)``), never this module, for a group's record.
 - ``capabilities_for(backend, torch_version=None)`` holds the defaults the base adapter
   returns: the tables of torch's own backends, Gloo by torch release and NCCL (no gaps).
   Any other name gets an empty record with a note, so its calls go straight through
@@ -46,7 +46,6 @@ Example::
 
     caps = capabilities_for("gloo", torch_version="2.7.1")
     caps.gap("all_reduce", dist.ReduceOp.AVG, torch.float32).effect   # 'raises'
-    BackendGaps(unsupported_ops=[dist.ReduceOp.AVG]).capabilities("myccl").gap("reduce", dist.ReduceOp.AVG)
     caps.gap("all_gather_into_tensor", None, torch.float32).effect   # 'raises' (a flat output)
 """
 
@@ -54,13 +53,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
 from portspeed.errors import UnknownBackendError
+
+if TYPE_CHECKING:
+    from portspeed.accelerator.backend_gaps import BackendGaps
 
 __all__ = [
     "BackendGaps",
@@ -101,8 +103,6 @@ REDUCING_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatte
 CHUNK_SHAPED = "all_gather_into_tensor"
 #: Collectives the router can rewrite, so the only ones a gap may name.
 ROUTED_COLLECTIVES = REDUCING_COLLECTIVES + ("all_to_all", CHUNK_SHAPED)
-#: What ``BackendGaps``' op, dtype and collective fields may name (the shape gap has its own field).
-_DECLARABLE = REDUCING_COLLECTIVES + ("all_to_all",)
 
 Effect = Literal["raises", "wrong"]
 RedOpType = dist.ReduceOp.RedOpType
@@ -216,103 +216,6 @@ class Capabilities:
 BITWISE_OPS = (RedOpType.BAND, RedOpType.BOR, RedOpType.BXOR)
 
 
-def _pairs(value: Iterable[Any], field: str) -> tuple[tuple[str, torch.dtype], ...]:
-    out = []
-    for pair in value:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], torch.dtype)):
-            raise TypeError(f"BackendGaps.{field} takes (collective, torch.dtype) pairs, got {pair!r}; "
-                            "e.g. ('reduce_scatter_tensor', torch.bfloat16)")
-        out.append((_collective(pair[0], field), pair[1]))
-    return tuple(out)
-
-
-def _collective(name: Any, field: str) -> str:
-    if name == CHUNK_SHAPED:
-        raise ValueError(f"BackendGaps.{field}: the router only reshapes the output of {CHUNK_SHAPED}, it "
-                         "cannot replace the collective; declare chunk_shaped_all_gather=True when the library "
-                         "wants each output chunk shaped as the input")
-    if name not in _DECLARABLE:
-        raise ValueError(f"BackendGaps.{field}: {name!r} is not a collective the router can rewrite; "
-                         f"name one of {', '.join(_DECLARABLE)} (other collectives must work as they are)")
-    return name
-
-
-@dataclasses.dataclass(frozen=True)
-class BackendGaps:
-    """What an adapter's collective library lacks, declared in a few lines (``Accelerator.backend_gaps``).
-
-    Why a declaration and not code: the router rewrites each listed case into calls the
-    library does right (AVG as SUM then divide, a missing dtype in float32, a missing
-    collective through another), so an adapter only has to say what is missing.
-
-    - ``unsupported_ops``: reduce ops every reducing collective refuses (``ReduceOp.AVG``...);
-    - ``unsupported_dtypes``: ``(collective, dtype)`` pairs the library refuses;
-    - ``unsupported_collectives``: collectives it lacks for every op and dtype;
-    - ``wrong_dtypes``: ``(collective, dtype)`` pairs it accepts but computes wrongly (for
-      example float64 narrowed to float32): the router refuses these loudly;
-    - ``chunk_shaped_all_gather``: True when its ``all_gather_into_tensor`` wants each dim-0
-      chunk of the output shaped as the input, as Gloo does (a flat output of a 2-d input,
-      a stacked output, a 0-d input raise): the router then views such outputs as chunks;
-    - ``note``: where the knowledge comes from, shown by ``portspeed info``.
-
-    Collectives are named as in ``ROUTED_COLLECTIVES``; anything else raises, as the router
-    could not rewrite it. Lists are accepted and stored as tuples.
-    """
-
-    unsupported_ops: tuple[Any, ...] = ()
-    unsupported_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-    unsupported_collectives: tuple[str, ...] = ()
-    wrong_dtypes: tuple[tuple[str, torch.dtype], ...] = ()
-    chunk_shaped_all_gather: bool = False
-    note: str = "declared by the adapter"
-    #: see ``Capabilities.sends_from_buffer``: True when the library reads a send's tensor until
-    #: the send completes (portspeed then sends private copies from Megatron's pipeline p2p)
-    sends_from_buffer: bool = False
-    #: see ``Capabilities.groups_hold_host_threads`` (a library staging through Gloo, or working like it)
-    groups_hold_host_threads: bool = False
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "unsupported_ops", tuple(op_type(o) for o in self.unsupported_ops))
-        set_(self, "unsupported_dtypes", _pairs(self.unsupported_dtypes, "unsupported_dtypes"))
-        set_(self, "wrong_dtypes", _pairs(self.wrong_dtypes, "wrong_dtypes"))
-        if isinstance(self.unsupported_collectives, str):
-            raise TypeError("BackendGaps.unsupported_collectives takes a sequence of names, not one string "
-                            f"({self.unsupported_collectives!r}); write ({self.unsupported_collectives!r},)")
-        set_(self, "unsupported_collectives",
-             tuple(_collective(c, "unsupported_collectives") for c in self.unsupported_collectives))
-        if type(self.chunk_shaped_all_gather) is not bool:
-            raise TypeError("BackendGaps.chunk_shaped_all_gather takes True or False, got "
-                            f"{self.chunk_shaped_all_gather!r}")
-
-    def gaps(self) -> tuple[Gap, ...]:
-        """The declaration as Gap rows."""
-        n = self.note
-        return tuple(
-            [Gap(c, "raises", f"{n} (no {op.name})", op) for op in self.unsupported_ops for c in REDUCING_COLLECTIVES]
-            + [Gap(c, "raises", f"{n} (no {str(dt)[6:]} {c})", dtype=dt) for c, dt in self.unsupported_dtypes]
-            + [Gap(c, "raises", f"{n} (no {c})") for c in self.unsupported_collectives]
-            + [Gap(c, "wrong", f"{n} ({str(dt)[6:]} {c} computed wrongly)", dtype=dt) for c, dt in self.wrong_dtypes]
-            + ([Gap(CHUNK_SHAPED, "raises", f"{n} ({CHUNK_SHAPED} wants each output chunk shaped as the input)")]
-               if self.chunk_shaped_all_gather else [])
-        )
-
-    def capabilities(self, backend: str, torch_version: str | None = None, adapter: str = "") -> Capabilities:
-        """The record of ``backend``: its built-in table (if torch's own) plus these gaps."""
-        return _declared(self, backend.lower(), torch_version, adapter)
-
-
-@functools.lru_cache(maxsize=64)
-def _declared(gaps: BackendGaps, backend: str, torch_version: str | None, adapter: str) -> Capabilities:
-    base = capabilities_for(backend, torch_version)
-    who = f"the {adapter!r} adapter" if adapter else "its adapter"
-    notes = tuple(n for n in base.notes if "no capability table" not in n)
-    notes += (f"gaps declared by {who}: {gaps.note}",)
-    return Capabilities(backend=backend, torch_version=base.torch_version, gaps=base.gaps + gaps.gaps(),
-                        notes=notes, sends_from_buffer=base.sends_from_buffer or gaps.sends_from_buffer,
-                        groups_hold_host_threads=base.groups_hold_host_threads or gaps.groups_hold_host_threads)
-
-
 # ---------------------------------------------------------------------- tables
 def _gaps(collectives: Iterable[str], effect: Effect, note: str, ops: Iterable[Any] = (None,),
           dtypes: Iterable[torch.dtype | None] = (None,)) -> list[Gap]:
@@ -415,3 +318,12 @@ def capabilities_for(backend: str, torch_version: str | None = None) -> Capabili
     return Capabilities(backend=name, torch_version=str(v), gaps=tuple(table(v)), notes=tuple(notes),
                         sends_from_buffer=name in _SENDS_FROM_BUFFER,
                         groups_hold_host_threads=name in _HOLD_HOST_THREADS)
+
+
+def __getattr__(name: str) -> Any:
+    """``BackendGaps`` moved to ``backend_gaps`` (which imports this module): still importable from here."""
+    if name == "BackendGaps":
+        from portspeed.accelerator.backend_gaps import BackendGaps
+
+        return BackendGaps
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

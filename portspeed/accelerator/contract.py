@@ -7,6 +7,11 @@ attributes; the base class delegates everything else to the device's torch modul
 adapter overrides what the CPU has no notion of (streams, events, memory statistics) with
 honest null objects. Where adapters come from: ``registry``; which one is active:
 ``selection``; the properties patches are gated on: ``conditions``.
+
+Required: ``REQUIRED_MEMBERS`` (``name``, ``device_type``, ``backend``) have no default; a concrete
+adapter class that lacks one is refused when it is defined, and again when it is selected, with
+``AdapterContractError`` naming the member. An intermediate base that concrete adapters subclass
+(``PrivateUse1Accelerator``) is declared with ``abstract=True`` and is exempt.
 """
 
 from __future__ import annotations
@@ -18,12 +23,55 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from portspeed.errors import MissingVendorPackageError
+from portspeed.errors import MissingVendorPackageError, PortspeedError
 
 if TYPE_CHECKING:
-    from portspeed.accelerator.capabilities import BackendGaps, Capabilities
+    from portspeed.accelerator.backend_gaps import BackendGaps
+    from portspeed.accelerator.capabilities import Capabilities
 
-__all__ = ["Accelerator"]
+__all__ = ["Accelerator", "AdapterContractError", "REQUIRED_MEMBERS", "check_adapter", "missing_members"]
+
+#: The members a concrete adapter must set, and what each one is; every other member has a working default.
+REQUIRED_MEMBERS: dict[str, str] = {
+    "name": "the name PORTSPEED_ACCELERATOR selects, e.g. 'acme'",
+    "device_type": "the torch device type its tensors live on, e.g. 'acme' for torch.device('acme', 0)",
+    "backend": "the c10d backend its collectives use, e.g. 'accl' (a PrivateUse1Accelerator subclass may leave it "
+               "empty: it then uses the backend the vendor registered for its device type)",
+}
+
+
+class AdapterContractError(PortspeedError, TypeError):
+    """An adapter class lacks a member the contract requires (``REQUIRED_MEMBERS``)."""
+
+
+def missing_members(adapter: Any) -> list[str]:
+    """The required members ``adapter`` (a class or an instance) leaves empty, in ``REQUIRED_MEMBERS``' order.
+
+    ``backend`` counts as set where the class overrides ``default_backend()`` (PrivateUse1Accelerator:
+    the backend registered for its device type).
+    """
+    cls = adapter if isinstance(adapter, type) else type(adapter)
+    missing = []
+    for member in REQUIRED_MEMBERS:
+        value = getattr(adapter, member, None)
+        if isinstance(value, str) and value.strip():
+            continue
+        if member == "backend" and getattr(cls.default_backend, "__func__", None) is not _BASE_DEFAULT_BACKEND:
+            continue
+        missing.append(member)
+    return missing
+
+
+def check_adapter(adapter: Any) -> None:
+    """Raise AdapterContractError naming each required member ``adapter`` (class or instance) lacks."""
+    missing = missing_members(adapter)
+    if missing:
+        cls = adapter if isinstance(adapter, type) else type(adapter)
+        what = "; ".join(f"{m!r}: {REQUIRED_MEMBERS[m]}" for m in missing)
+        raise AdapterContractError(
+            f"adapter class {cls.__module__}.{cls.__qualname__} lacks the required member"
+            f"{'s' if len(missing) > 1 else ''} {what}; set {'them' if len(missing) > 1 else 'it'} as class "
+            "attributes (portspeed.vendor: the contract; a base class that adapters subclass passes abstract=True)")
 
 
 class Accelerator:
@@ -33,10 +81,11 @@ class Accelerator:
     ``vendor_modules`` (import names that must load) and ``vendor_package`` (what to pip
     install), and declare what their backend lacks in ``backend_gaps``. Methods have
     working defaults that delegate to ``torch.<device_type>``; out-of-tree devices
-    subclass ``portspeed.adapters.privateuse1.PrivateUse1Accelerator`` instead, which goes
+    subclass ``portspeed.vendor.PrivateUse1Accelerator`` instead, which goes
     through ``torch.accelerator``. ``device()`` never returns None.
     """
 
+    _abstract: ClassVar[bool] = True  # the contract itself; every subclass sets its own (__init_subclass__)
     name: ClassVar[str] = ""
     device_type: ClassVar[str] = ""
     backend: ClassVar[str] = ""
@@ -52,6 +101,13 @@ class Accelerator:
     #: What this adapter's own collective backend lacks (None: nothing beyond the built-in
     #: defaults of ``portspeed.accelerator.capabilities``); the router rewrites what is listed.
     backend_gaps: ClassVar[BackendGaps | None] = None
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        """Refuse, when the class is defined, a concrete adapter that lacks a required member."""
+        super().__init_subclass__(**kwargs)
+        cls._abstract = abstract  # per class: a subclass of an abstract base is concrete unless it says so
+        if not abstract:
+            check_adapter(cls)
 
     def __init__(self, backend: str | None = None) -> None:
         self._backend_override = backend
@@ -280,3 +336,6 @@ class Accelerator:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} backend={self.communication_backend!r}>"
+
+
+_BASE_DEFAULT_BACKEND = Accelerator.default_backend.__func__

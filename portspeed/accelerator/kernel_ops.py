@@ -27,8 +27,14 @@ import torch
 
 from portspeed.errors import PortspeedError
 
-__all__ = ["KERNEL_OPS", "KernelContractError", "check_kernel", "check_declared", "resolve_kernel", "attention",
-           "attention_lse", "attention_lse_backward", "rms_norm", "layer_norm", "rope", "swiglu", "grouped_mm"]
+__all__ = ["KERNEL_BANDS", "KERNEL_OPS", "KernelContractError", "causal_allowed", "check_kernel", "check_declared",
+           "resolve_kernel", "attention", "attention_lse", "attention_lse_backward", "rms_norm", "layer_norm", "rope",
+           "swiglu", "grouped_mm"]
+
+#: How close a kernel must come to the reference, per compute dtype: the largest |difference| over the largest
+#: |reference|, for each output and each gradient (``portspeed conformance --suites kernels`` checks it). fp32
+#: leaves room for a device's own reduction order (tf32 excluded); bf16 for a few roundings (2^-7 is 7.8e-3).
+KERNEL_BANDS: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 class KernelContractError(PortspeedError, TypeError):
@@ -49,6 +55,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: t
     all keys (what Transformer Engine's unfused path gives). Returns ``[b, hq, sq, d]`` in
     ``q``'s dtype; differentiable.
     """
+
+
+def causal_allowed(sq: int, sk: int, bottom_right: bool, device: torch.device | None = None) -> torch.Tensor:
+    """The causal rule of ``attention`` as a mask: ``[sq, sk]``, True where query ``i`` may see key ``j``:
+    ``j <= i`` (``"top_left"``) or ``j <= i + sk - sq`` (``"bottom_right"``)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(diagonal=sk - sq if bottom_right else 0)
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

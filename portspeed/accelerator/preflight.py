@@ -8,7 +8,10 @@ message names the variable (or option), the bad value and what is accepted.
 - ``check_settings()`` (names and values; no adapter module, no vendor runtime, no device):
   every ``PORTSPEED_*`` variable parses (``portspeed.config``), a misspelt variable name
   close to a real one is refused, the accelerator is a built-in or entry-point adapter name
-  (read from package metadata only), the backend is one portspeed or torch knows or one an
+  (read from package metadata only) or a ``module:Class`` / ``path/to/file.py:Class`` whose class
+  loads and has the contract's required members (the adapter module, not its vendor runtime; a
+  relative file path is made absolute in this process's environment, so every process it spawns
+  finds the same file wherever it runs: ``check_adapter_spec``), the backend is one portspeed or torch knows or one an
   entry-point adapter declares, and the framework module prefixes are module names. Run by
   ``import portspeed.megatron_adaptor`` / ``deepspeed_adaptor`` and by ``portspeed run``.
 - ``check_device(ranks_on_node)`` (needs the device runtime): the adapter's vendor package
@@ -29,14 +32,14 @@ from portspeed import config
 from portspeed.accelerator import registry, scope
 from portspeed.errors import ConfigError, UnknownAcceleratorError, UnknownBackendError
 
-__all__ = ["SETTINGS", "check_settings", "check_device", "check_layout"]
+__all__ = ["SETTINGS", "check_adapter_spec", "check_settings", "check_device", "check_layout"]
 
 #: every PORTSPEED_* variable a user sets (internal ones portspeed sets itself are in _INTERNAL_PREFIXES)
 SETTINGS: tuple[str, ...] = (
     "PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTSPEED_DISABLE",
     "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT", "PORTSPEED_LOSS_LOG", scope.FRAMEWORK_ENV,
     "PORTSPEED_GLOO_LAZY_INIT", "PORTSPEED_TE_KERNELS",
-    "PORTSPEED_TRACE", "PORTSPEED_TRACE_DIR", "PORTSPEED_TRACE_ON_EXIT",
+    "PORTSPEED_TRACE", "PORTSPEED_TRACE_DIR", "PORTSPEED_TRACE_ON_EXIT", "PORTSPEED_HANG_TIMEOUT",
 )
 #: variables set by portspeed for its own processes (`portspeed run` workers, the test device's build)
 _INTERNAL_PREFIXES = ("PORTSPEED_RUN_", "PORTSPEED_TESTDEV_")
@@ -53,6 +56,33 @@ def _check_variable_names(env: Mapping[str, str]) -> None:
                               f"(settings: {', '.join(SETTINGS)})")
 
 
+def check_adapter_spec(value: str, var: str = "PORTSPEED_ACCELERATOR=") -> str:
+    """``value`` as every process resolves it: a known adapter name, or ``module:Class`` / ``file.py:Class`` whose
+    class loads and fits the contract, a relative file made absolute (from this working directory).
+
+    Raises a portspeed error, one line, starting with ``var`` and the value (``"--adapter "`` for an option).
+    """
+    from portspeed.errors import PortspeedError
+
+    name = config.parse_accelerator(value, var)
+    if not registry.is_spec(name):
+        known = registry.available_adapters()
+        if name not in known:
+            raise UnknownAcceleratorError(
+                f"{var}{value!r} is not an adapter; accepted: {', '.join(known)} (third-party adapters register in "
+                f"the entry-point group {registry.ENTRY_POINT_GROUP!r}, or are named as module:Class or "
+                "path/to/file.py:Class; unset it to auto-detect)")
+        return name
+    target, _, qualname = name.rpartition(":")
+    if target.endswith(".py"):
+        name = f"{os.path.abspath(target)}:{qualname}"
+    try:
+        registry.adapter_class(name)
+    except PortspeedError as exc:
+        raise type(exc)(f"{var}{value!r}: {str(exc).removeprefix(f'adapter {name!r}: ')}") from None
+    return name
+
+
 def _entry_point_backends() -> set[str]:
     """Backends declared by entry-point adapters (their classes load; their vendor runtimes do not)."""
     found = set()
@@ -66,7 +96,7 @@ def _entry_point_backends() -> set[str]:
     return found
 
 
-def _check_backend(backend: str) -> None:
+def _check_backend(backend: str, accelerator: str | None) -> None:
     from portspeed.accelerator.capabilities import check_backend_name
 
     try:
@@ -74,6 +104,8 @@ def _check_backend(backend: str) -> None:
         return
     except UnknownBackendError as exc:
         declared = _entry_point_backends()
+        if accelerator is not None and registry.is_spec(accelerator):
+            declared.add(registry.adapter_class(accelerator).backend.lower())
         if backend in declared:
             return
         from portspeed.accelerator.capabilities import KNOWN_BACKENDS
@@ -94,14 +126,12 @@ def check_settings(env: Mapping[str, str] | None = None) -> config.Settings:
     settings = config.reload() if real else config.Settings.from_env(env)
     _check_variable_names(env)
     if settings.accelerator is not None:
-        known = registry.available_adapters()
-        if settings.accelerator not in known:
-            raise UnknownAcceleratorError(
-                f"PORTSPEED_ACCELERATOR={settings.accelerator!r} is not an adapter; accepted: {', '.join(known)} "
-                f"(third-party adapters register in the entry-point group {registry.ENTRY_POINT_GROUP!r}; "
-                "unset it to auto-detect)")
+        resolved = check_adapter_spec(env["PORTSPEED_ACCELERATOR"])
+        if real and resolved != settings.accelerator:  # a relative file: the same file in every spawned process
+            os.environ["PORTSPEED_ACCELERATOR"] = resolved
+            settings = config.reload()
     if settings.backend is not None:
-        _check_backend(settings.backend)
+        _check_backend(settings.backend, settings.accelerator)
     raw = env.get(scope.FRAMEWORK_ENV, "").strip()
     bad = [n.strip() for n in raw.split(",") if n.strip() and not scope.valid_prefix(n.strip())]
     if bad:

@@ -10,15 +10,26 @@ Adding a vendor:
 - *third-party* (its own package; portspeed's test device is one): an entry point in the
   group ``ENTRY_POINT_GROUP`` naming the ``Accelerator`` subclass, and no line here.
   Entry-point adapters are auto-detected before every built-in (``selection``).
+- *not packaged* (a vendor trying a device): ``module:Class`` (an importable module) or
+  ``path/to/file.py:Class`` wherever an adapter name goes (``PORTSPEED_ACCELERATOR``,
+  ``portspeed conformance --adapter``, ``portspeed info --adapter``). A file is imported once per
+  process under a name made from its absolute path (``adapter_module_name``), so every lookup gets
+  the same class; a relative path is taken from the working directory, which is why the launchers
+  make it absolute for their workers (``preflight.check_settings``).
 
 ``docs/writing-an-adapter.md`` walks through both.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata as _metadata
+import importlib.util
+import os
+import re
 import sys
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from portspeed.errors import UnknownAcceleratorError
@@ -26,8 +37,8 @@ from portspeed.errors import UnknownAcceleratorError
 if TYPE_CHECKING:  # the contract (and torch with it) loads only when an adapter class is asked for
     from portspeed.accelerator.contract import Accelerator
 
-__all__ = ["BUILTIN_ADAPTERS", "DETECTION_ORDER", "ENTRY_POINT_GROUP", "adapter_class", "available_adapters",
-           "entry_point_adapters", "forget_entry_points"]
+__all__ = ["BUILTIN_ADAPTERS", "DETECTION_ORDER", "ENTRY_POINT_GROUP", "adapter_class", "adapter_module_name",
+           "available_adapters", "entry_point_adapters", "forget_entry_points", "is_spec"]
 
 ENTRY_POINT_GROUP = "portspeed.adapters"
 
@@ -80,11 +91,82 @@ def available_adapters() -> list[str]:
     return names
 
 
-def adapter_class(name: str) -> type[Accelerator]:
-    """The adapter class registered under ``name`` (built-in or entry point)."""
-    from portspeed.accelerator.contract import Accelerator
+def is_spec(name: str) -> bool:
+    """Whether ``name`` is ``module:Class`` or ``path/to/file.py:Class`` rather than an adapter's name."""
+    return ":" in name
 
-    if name in BUILTIN_ADAPTERS:
+
+def adapter_module_name(path: str) -> str:
+    """The module name an adapter file is imported under: its stem and a digest of its absolute path."""
+    path = os.path.abspath(path)
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    return f"portspeed_adapter_file_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+
+
+def _import_file(spec: str, path: str) -> ModuleType:
+    """Import the adapter file ``path`` once per process (later lookups get the same module)."""
+    name = adapter_module_name(path)
+    if name in sys.modules:
+        return sys.modules[name]
+    if not os.path.isfile(path):
+        raise UnknownAcceleratorError(f"adapter {spec!r}: the file {path!r} does not exist (a relative path is taken "
+                                      "from the directory the command was started in)")
+    found = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+    sys.modules[name] = module  # before it runs, as an import does (dataclasses and pickling look it up)
+    try:
+        found.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def _load(spec: str) -> object:
+    """The object ``module:Class`` or ``file.py:Class`` names; a portspeed error naming what is missing."""
+    from portspeed.accelerator.contract import AdapterContractError
+
+    target, _, qualname = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            module = _import_file(spec, os.path.abspath(target))
+        else:
+            module = importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
+            raise UnknownAcceleratorError(f"adapter {spec!r}: no module named {exc.name!r} (check the spelling and that "
+                                          "it is installed or on PYTHONPATH; a file is written path/to/file.py:Class)"
+                                          ) from None
+        raise UnknownAcceleratorError(f"adapter {spec!r}: importing {target!r} failed: {exc}") from exc
+    except AdapterContractError as exc:
+        raise AdapterContractError(f"adapter {spec!r}: {exc}") from None
+    except UnknownAcceleratorError:
+        raise
+    except Exception as exc:  # the vendor's own module failed: one line, naming it
+        raise UnknownAcceleratorError(f"adapter {spec!r}: importing {target!r} failed: "
+                                      f"{type(exc).__name__}: {exc}") from exc
+    obj: object = module
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            from portspeed.accelerator.contract import Accelerator
+
+            defined = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Accelerator)
+                             and v.__module__ == module.__name__)
+            raise UnknownAcceleratorError(
+                f"adapter {spec!r}: {target!r} has no {qualname!r}; the adapter classes it defines: "
+                f"{', '.join(defined) or 'none'}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def adapter_class(name: str) -> type[Accelerator]:
+    """The adapter class registered under ``name`` (built-in or entry point), or named by ``module:Class`` /
+    ``path/to/file.py:Class``; checked against the contract (``contract.check_adapter``)."""
+    from portspeed.accelerator.contract import Accelerator, AdapterContractError, check_adapter
+
+    if is_spec(name):
+        cls = _load(name)
+    elif name in BUILTIN_ADAPTERS:
         modname, _, clsname = BUILTIN_ADAPTERS[name].partition(":")
         cls = getattr(importlib.import_module(modname), clsname)
     elif name in (eps := _entry_point_adapters()):
@@ -92,12 +174,17 @@ def adapter_class(name: str) -> type[Accelerator]:
     else:
         raise UnknownAcceleratorError(
             f"unknown accelerator {name!r}; known adapters: {', '.join(available_adapters())}. "
-            f"Third-party adapters register in the entry-point group {ENTRY_POINT_GROUP!r}."
+            f"Third-party adapters register in the entry-point group {ENTRY_POINT_GROUP!r}, or are named "
+            "as module:Class or path/to/file.py:Class."
         )
     if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
         raise UnknownAcceleratorError(
-            f"adapter {name!r} resolves to {cls!r}, which is not a portspeed.accelerator.Accelerator subclass"
+            f"adapter {name!r}: it names {cls!r}, which is not a portspeed.vendor.Accelerator subclass"
         )
+    try:
+        check_adapter(cls)  # an abstract base, or a class whose members were emptied after it was defined
+    except AdapterContractError as exc:
+        raise AdapterContractError(f"adapter {name!r}: {exc}") from None
     return cls
 
 

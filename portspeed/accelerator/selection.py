@@ -2,8 +2,9 @@
 
 Selection (``get_accelerator``), first match wins:
 1. an adapter injected with ``set_accelerator(obj)``;
-2. ``PORTSPEED_ACCELERATOR=<name>``; an unknown name raises listing the known ones, a
-   known adapter whose vendor package is missing raises naming the package to install;
+2. ``PORTSPEED_ACCELERATOR=<name>`` (or ``module:Class``, ``path/to/file.py:Class``: an adapter
+   that is not installed); an unknown name raises listing the known ones, a known adapter whose
+   vendor package is missing raises naming the package to install;
 3. auto-detection: third-party adapters from the entry-point group ``portspeed.adapters``,
    then the built-ins in ``DETECTION_ORDER`` (vendor devices that ship their own torch
    module first, since some of them also answer to ``torch.cuda``; then ``cuda``; ``cpu``
@@ -18,7 +19,7 @@ import logging
 import threading
 
 from portspeed import config
-from portspeed.accelerator.contract import Accelerator
+from portspeed.accelerator.contract import Accelerator, check_adapter
 from portspeed.accelerator.registry import (BUILTIN_ADAPTERS, DETECTION_ORDER, adapter_class, entry_point_adapters,
                                             forget_entry_points)
 from portspeed.errors import ConfigError, UnknownAcceleratorError
@@ -35,9 +36,11 @@ _generation: int = 0
 
 
 def _check_kernels(acc: Accelerator) -> None:
-    """Refuse, naming the adapter and the op, a declared vendor kernel that does not fit its contract."""
+    """Refuse an adapter without a required member, or whose declared vendor kernel does not fit its contract
+    (naming the member, or the adapter and the op)."""
     from portspeed.accelerator.kernel_ops import check_declared
 
+    check_adapter(acc)
     check_declared(acc.name, acc.kernels())
 
 

@@ -7,8 +7,9 @@ patch and never a framework, and ``portspeed.accelerator`` never imports this pa
 
 Modules, in import order (each imports only those above it):
 
-- ``capabilities``  the same module as ``portspeed.accelerator.capabilities`` (moved there: what a
-                    backend lacks, ``Capabilities``, ``BackendGaps``, torch's defaults).
+- ``capabilities``  deprecated: the same module as ``portspeed.accelerator.capabilities`` (moved
+                    there: what a backend lacks, ``Capabilities``, torch's defaults; adapters import
+                    ``BackendGaps`` from ``portspeed.vendor``).
 - ``backends``      backend names: the one asked for, the one that runs (``map_backend``,
                     ``real_backend``, ``requested_backend``).
 - ``groups``        wrappers of torch's group entry points; each group's capability table
@@ -38,8 +39,8 @@ _PUBLIC = {
     "explain": ".rewrites",
     "reset_stats": ".rewrites",
     "reset": ".router",
-    "Capabilities": ".capabilities",
-    "BackendGaps": ".capabilities",
+    "Capabilities": "portspeed.accelerator.capabilities",
+    "BackendGaps": "portspeed.accelerator.backend_gaps",
 }
 __all__ = sorted(_PUBLIC)
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -14,9 +14,15 @@ SUITES = ("device", "kernels", "collectives", "training")
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="portspeed conformance", description=__doc__)
-    p.add_argument("--adapter", required=True, help="adapter name (portspeed info lists them), e.g. npu, testdev")
+    p.add_argument("--adapter", required=True,
+                   help="adapter name (portspeed info lists them), e.g. npu, testdev; or module:Class, or "
+                   "path/to/file.py:Class for an adapter that is not installed")
     p.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated subset of {', '.join(SUITES)}")
     p.add_argument("--nproc", type=int, default=2, help="ranks for the collective checks (default 2)")
+    p.add_argument("--declared-gaps", action="store_true",
+                   help="collectives: first run every gap the adapter declares on the raw backend (patches off), to "
+                   "say which declarations can go; off by default: on hardware a refused raw call may poison the "
+                   "communicator")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
@@ -28,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import os
 
-    os.environ["PORTSPEED_ACCELERATOR"] = args.adapter
     from portspeed import config
-    from portspeed.accelerator import adapter_class, get_accelerator
+    from portspeed.accelerator import get_accelerator, preflight
     from portspeed.errors import PortspeedError
 
-    config.reload()
-    try:
-        adapter_class(args.adapter)  # an unknown name fails here, listing the known ones
+    try:  # the same check and the same resolution (a relative file made absolute) as PORTSPEED_ACCELERATOR's
+        adapter = preflight.check_adapter_spec(args.adapter, "--adapter ")
+        os.environ["PORTSPEED_ACCELERATOR"] = adapter  # every rank and trainer this kit starts selects it
+        config.reload()
         acc = get_accelerator()
     except PortspeedError as exc:
         print(f"portspeed conformance: {exc}", file=sys.stderr)
@@ -52,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     if "collectives" in suites:
         from portspeed.conformance.collectives import run_collective_checks
 
-        run_collective_checks(args.adapter, report, nproc=args.nproc)
+        run_collective_checks(adapter, report, nproc=args.nproc, declared_gaps=args.declared_gaps)
     if "training" in suites:
         from portspeed.conformance.training import run_training_check
 
-        run_training_check(args.adapter, report)
+        run_training_check(adapter, report)
     print(report.render())
     if args.json:
         with open(args.json, "w") as fh:

@@ -6,27 +6,29 @@ silently changes every model. Each declared kernel runs on the adapter's device 
 (fp32 and bf16; masks, causal alignments, grouped-query attention, fully masked rows, partial
 rotary dimensions, empty expert groups) and is compared, values and gradients, with the reference
 implementation run on the host in fp32 from the same inputs. One check per kernel; its detail names
-the first case that fails and by how much.
+the first case that fails: the operation, the case (its features, the shapes of its inputs, the
+dtype), which output or gradient, the error and the band.
 
-Bands (the largest difference over the largest magnitude of the reference, per tensor): fp32
-``1e-4`` (room for a device's own reduction order, tf32 excluded), bf16 ``3e-2`` (a few bf16
-roundings; 2^-7 is 7.8e-3).
+Bands (``portspeed.vendor.KERNEL_BANDS``; the largest difference over the largest magnitude of
+the reference, per tensor): fp32 ``1e-4`` (room for a device's own reduction order, tf32
+excluded), bf16 ``3e-2`` (a few bf16 roundings; 2^-7 is 7.8e-3).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable, Iterator
 
 import torch
 
-from portspeed.accelerator.kernel_ops import resolve_kernel
+from portspeed.accelerator.kernel_ops import KERNEL_BANDS, KERNEL_OPS, resolve_kernel
 from portspeed.conformance.report import Report
 
 __all__ = ["run_kernel_checks", "BANDS", "compare_kernel", "compare_implementations"]
 
 SUITE = "kernels"
-BANDS = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+BANDS = KERNEL_BANDS
 _DTYPES = (torch.float32, torch.bfloat16)
 
 #: a case: (name, inputs as host fp32 tensors / values, keyword arguments, indices of inputs to differentiate)
@@ -78,10 +80,10 @@ def _norm_cases(gen: torch.Generator, op: str) -> Iterator[Case]:
     x = _rand(3, 5, 64, gen=gen) * 2 + 0.5
     w = 1 + 0.1 * _rand(64, gen=gen)
     if op == "rms_norm":
-        yield "x [3, 5, 64]", (x, w, 1e-5), {}, (0, 1)
+        yield "over the last dimension", (x, w, 1e-5), {}, (0, 1)
     else:
-        yield "x [3, 5, 64] with bias", (x, w, 0.1 * _rand(64, gen=gen), 1e-5), {}, (0, 1, 2)
-        yield "x [3, 5, 64] without bias", (x, w, None, 1e-5), {}, (0, 1)
+        yield "with bias", (x, w, 0.1 * _rand(64, gen=gen), 1e-5), {}, (0, 1, 2)
+        yield "without bias", (x, w, None, 1e-5), {}, (0, 1)
 
 
 def _rope_cases(gen: torch.Generator) -> Iterator[Case]:
@@ -168,8 +170,16 @@ def _worst(name: str, got: list[torch.Tensor], want: list[torch.Tensor], band: f
             return f"{name} {i}: not finite"
         rel = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
         if rel > band:
-            return f"{name} {i}: max |difference| / max |reference| = {rel:.2e} > {band:.0e}"
+            return f"{name} {i}: error {rel:.2e} > {band:.0e}, the band (max |difference| / max |reference|)"
     return None
+
+
+def _case(op: str, name: str, args: tuple, kw: dict, dtype: torch.dtype) -> str:
+    """``op case "name" with q [2, 4, 16, 16], k [...], ..., bfloat16``: the case as a vendor reproduces it."""
+    params = list(inspect.signature(KERNEL_OPS[op]).parameters)
+    tensors = [f"{p} {list(a.shape)}" for p, a in zip(params, args) if isinstance(a, torch.Tensor)]
+    tensors += [f"{p} {list(a.shape)}" for p, a in kw.items() if isinstance(a, torch.Tensor)]
+    return f'{op} case "{name}" with {", ".join(tensors)}, {str(dtype).replace("torch.", "")}'
 
 
 def compare_kernel(op: str, fn: Callable, device: Any, seed: int = 1234) -> str | None:
@@ -184,7 +194,7 @@ def compare_kernel(op: str, fn: Callable, device: Any, seed: int = 1234) -> str 
             outs, _ = _run(ref, ref_args, kw, (), None, torch.float32, "cpu")
             grads_out = [torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1)) for o in outs]
             want, want_grads = _run(ref, ref_args, kw, wrt, grads_out if wrt else None, torch.float32, "cpu")
-            where = f"{name}, {str(dtype).replace('torch.', '')}"
+            where = _case(op, name, args, kw, dtype)
             try:
                 got, got_grads = _run(fn, mine, kw, wrt, grads_out if wrt else None, dtype, device)
             except Exception as exc:  # a kernel that raises fails its check, named

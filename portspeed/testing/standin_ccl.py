@@ -44,7 +44,7 @@ from torch.futures import Future
 
 from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.comm import trace_staging
-from portspeed.comm.capabilities import BackendGaps, op_type
+from portspeed.vendor import BackendGaps, op_type
 
 __all__ = ["BACKEND_NAME", "StandinAccelerator", "StandinProcessGroup", "register"]
 

@@ -15,8 +15,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from portspeed.adapters.privateuse1 import PrivateUse1Accelerator
-from portspeed.comm.capabilities import BackendGaps
+from portspeed.vendor import BackendGaps, PrivateUse1Accelerator
 
 __all__ = ["TestdevAccelerator"]
 
