@@ -13,7 +13,8 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 | PORTSPEED_TIMEOUT | seconds (positive number) | collective / rendezvous timeout used by launchers and tests |
 | PORTSPEED_GLOO_LAZY_INIT | 0/1 (default 1) | Gloo groups connect their ranks at their first collective, not when created (torch >= 2.8; an explicit TORCH_GLOO_LAZY_INIT wins; see ``portspeed.comm.gloo_init``) |
 | PORTSPEED_TE_KERNELS | `vendor`, `torch` or `reference` for every operation, and/or `op=value` per operation (`attention=reference,rms_norm=torch`) | where the portable Transformer Engine starts its preference vendor -> torch -> reference (``portspeed.portable_te.kernels``); unset: vendor |
-| PORTSPEED_TRACE | non-negative integer (default 0: off) | entries of the per-rank collective / point-to-point ring buffer (``portspeed.comm.trace``; docs/reliability.md, "When it hangs") |
+| PORTSPEED_TRACE | non-negative integer in ASCII digits (default 0: off; 2000 when a hang timeout is set) | entries of the per-rank collective / point-to-point ring buffer (``portspeed.comm.trace``; docs/reliability.md, "When it hangs") |
+| PORTSPEED_HANG_TIMEOUT | seconds (positive number; `portspeed run --hang-timeout S` sets it for the workers) | how long no rank may complete a recorded call before `portspeed run` dumps and ends the job; it turns recording on, and the ranks keep heartbeat files for the launcher (``portspeed.cli.hang_watch``) |
 | PORTSPEED_TRACE_DIR | a writable folder (created if missing) | where each rank writes its trace dump; unset: a new folder under the system's temporary directory, named in one log line |
 | PORTSPEED_TRACE_ON_EXIT | 0/1 (default 0) | every rank dumps its trace buffer when it exits normally too |
 | PORTSPEED_LOSS_LOG | file path | where a training script writes its JSON loss record (`portspeed.megatron_adaptor.open_loss_log`, used by examples/pretrain_gpt.py; the stock scripts print losses instead, which `portspeed compare` parses) |
@@ -32,14 +33,16 @@ from typing import Iterable, Mapping
 from portspeed.errors import ConfigError
 
 __all__ = ["Settings", "settings", "reload", "parse_accelerator", "parse_bool", "parse_names", "parse_te_kernels",
-           "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV"]
+           "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV", "parse_seconds", "TRACE_ENV",
+           "TRACE_DIR_ENV", "TRACE_ON_EXIT_ENV", "HANG_TIMEOUT_ENV", "HANG_TRACE_ENTRIES"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _PATCH_NAME = re.compile(r"^[A-Za-z0-9_.\-*]+$")
 _LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-#: the operations of the vendor kernel slot (portspeed.accelerator.kernel_ops.KERNEL_OPS; a test keeps them equal)
+#: the operations of the vendor kernel slot, the one list: ``portspeed.accelerator.kernel_ops`` gives each its
+#: contract, ``portspeed.portable_te.kernels`` its implementations, PORTSPEED_TE_KERNELS names them
 TE_KERNEL_OPS = ("attention", "attention_lse", "attention_lse_backward", "rms_norm", "layer_norm", "rope", "swiglu",
                  "grouped_mm")
 #: the implementations, in the order of preference
@@ -83,6 +86,19 @@ def parse_names(var: str, value: str, pattern: re.Pattern[str], kind: str, hint:
     if bad:
         raise ConfigError(f"{var} has invalid {kind} {bad}; {hint}")
     return names
+
+
+def parse_seconds(name: str, value: str, hint: str = "") -> float:
+    """A positive number of seconds (ASCII, below 1e7), or ConfigError naming ``name`` (a variable or an option)."""
+    raw = value.strip()
+    try:
+        s = float(raw) if raw.isascii() else -1.0  # float() also reads other scripts' digits
+    except ValueError:
+        s = -1.0
+    if not (0 < s < 1e7):
+        shown = f"{name} {value!r}" if name.startswith("-") else f"{name}={value!r}"
+        raise ConfigError(f"{shown} is not a positive number of seconds{'; ' + hint if hint else ''}")
+    return s
 
 
 def parse_te_kernels(value: str) -> tuple[tuple[str, str], ...]:
@@ -150,28 +166,50 @@ def check_findable_modules(var: str, names: Iterable[str], env: Mapping[str, str
             f"(check the spelling and that the package is installed or on PYTHONPATH; the entry script is '__main__')")
 
 
+#: the flight recorder's settings (``portspeed.comm.trace``), read here and nowhere else; ``portspeed.comm.trace_files``
+#: names them, with the recorder's files, for the recorder and `portspeed run`'s watchdog
+TRACE_ENV = "PORTSPEED_TRACE"
+TRACE_DIR_ENV = "PORTSPEED_TRACE_DIR"
+TRACE_ON_EXIT_ENV = "PORTSPEED_TRACE_ON_EXIT"
+#: set by `portspeed run --hang-timeout S` for its workers (and readable by a user's own launcher)
+HANG_TIMEOUT_ENV = "PORTSPEED_HANG_TIMEOUT"
+#: the recorder's entries when a hang timeout turns it on and PORTSPEED_TRACE is unset
+HANG_TRACE_ENTRIES = 2000
+_COUNT = re.compile(r"\+?[0-9]+")  # ASCII digits: "²" passes str.isdigit(), then int() fails
+
+
 def _trace_settings(env: Mapping[str, str]) -> dict:
-    """PORTSPEED_TRACE / _TRACE_DIR / _TRACE_ON_EXIT (portspeed.comm.trace), or ConfigError naming the bad one."""
+    """PORTSPEED_TRACE / _TRACE_DIR / _TRACE_ON_EXIT / _HANG_TIMEOUT, or ConfigError naming the bad one.
+
+    One reading for the launcher and every rank: an unset PORTSPEED_TRACE is 0 (off), or 2000 entries
+    when a hang timeout is set; ``00`` is 0, ``+5`` is 5, `` 7 `` is 7; anything but ASCII digits is refused.
+    """
     kw: dict = {}
-    raw = env.get("PORTSPEED_TRACE", "").strip()
+    hang = env.get(HANG_TIMEOUT_ENV, "").strip()
+    if hang:
+        kw["hang_timeout"] = parse_seconds(HANG_TIMEOUT_ENV, hang, "give how long no rank may complete a "
+                                           "collective before the job is dumped and ended")
+        kw["trace"] = HANG_TRACE_ENTRIES
+    raw = env.get(TRACE_ENV, "").strip()
     if raw:
-        if not raw.isdigit() or int(raw) > 10_000_000:
-            raise ConfigError(f"PORTSPEED_TRACE={raw!r} is not a non-negative integer; give the number of entries "
-                              "each rank keeps (0: off; 2000 is plenty to find a hang)")
+        if not _COUNT.fullmatch(raw) or int(raw) > 10_000_000:
+            raise ConfigError(f"{TRACE_ENV}={env[TRACE_ENV]!r} is not a non-negative integer; give the number of "
+                              f"entries each rank keeps in ASCII digits (0: off; {HANG_TRACE_ENTRIES} is plenty to "
+                              "find a hang)")
         kw["trace"] = int(raw)
-    folder = env.get("PORTSPEED_TRACE_DIR", "").strip()
+    folder = env.get(TRACE_DIR_ENV, "").strip()
     if folder:
         path = os.path.abspath(folder)
         probe = path
         while not os.path.exists(probe) and os.path.dirname(probe) != probe:
             probe = os.path.dirname(probe)  # the nearest existing ancestor is where the folder gets created
         if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-            raise ConfigError(f"PORTSPEED_TRACE_DIR={folder!r} is not a writable folder ({probe!r} is "
+            raise ConfigError(f"{TRACE_DIR_ENV}={folder!r} is not a writable folder ({probe!r} is "
                               f"{'not a folder' if not os.path.isdir(probe) else 'not writable'}); give a folder "
                               "this user can write, or unset it for a new one under the temporary directory")
         kw["trace_dir"] = path
-    if "PORTSPEED_TRACE_ON_EXIT" in env:
-        kw["trace_on_exit"] = parse_bool("PORTSPEED_TRACE_ON_EXIT", env["PORTSPEED_TRACE_ON_EXIT"])
+    if TRACE_ON_EXIT_ENV in env:
+        kw["trace_on_exit"] = parse_bool(TRACE_ON_EXIT_ENV, env[TRACE_ON_EXIT_ENV])
     return kw
 
 
@@ -191,6 +229,7 @@ class Settings:
     trace: int = 0
     trace_dir: str | None = None
     trace_on_exit: bool = False
+    hang_timeout: float | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -223,15 +262,7 @@ class Settings:
             kw["log_level"] = level.upper()
         timeout = env.get("PORTSPEED_TIMEOUT", "").strip()
         if timeout:
-            try:
-                t = float(timeout)
-            except ValueError:
-                t = -1.0
-            if not (t > 0 and t < 1e7):
-                raise ConfigError(
-                    f"PORTSPEED_TIMEOUT={timeout!r} is not a positive number of seconds"
-                )
-            kw["timeout"] = t
+            kw["timeout"] = parse_seconds("PORTSPEED_TIMEOUT", timeout)
         if "PORTSPEED_GLOO_LAZY_INIT" in env:
             kw["gloo_lazy_init"] = parse_bool("PORTSPEED_GLOO_LAZY_INIT", env["PORTSPEED_GLOO_LAZY_INIT"])
         te_kernels = env.get("PORTSPEED_TE_KERNELS", "").strip()

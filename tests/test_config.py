@@ -66,6 +66,11 @@ def test_disable_star_alone_blocks_everything() -> None:
     ("PORTSPEED_TIMEOUT", "0", "positive number of seconds"),
     ("PORTSPEED_TIMEOUT", "nan", "positive number of seconds"),
     ("PORTSPEED_TIMEOUT", "inf", "positive number of seconds"),
+    ("PORTSPEED_TIMEOUT", "٣", "positive number of seconds"),
+    ("PORTSPEED_HANG_TIMEOUT", "0", "positive number of seconds"),
+    ("PORTSPEED_HANG_TIMEOUT", "later", "positive number of seconds"),
+    ("PORTSPEED_TRACE", "²", "ASCII digits"),
+    ("PORTSPEED_TRACE", "-3", "non-negative integer"),
 ])
 def test_garbage_raises_naming_the_variable(var: str, value: str, hint: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -84,3 +89,18 @@ def test_settings_are_cached_until_reload(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("PORTSPEED_TIMEOUT", "never")
     with pytest.raises(ConfigError, match="PORTSPEED_TIMEOUT"):
         config.reload()
+
+
+@pytest.mark.parametrize("env,trace,hang", [
+    ({}, 0, None),
+    ({"PORTSPEED_TRACE": "00"}, 0, None),
+    ({"PORTSPEED_TRACE": "+5"}, 5, None),
+    ({"PORTSPEED_TRACE": " 7 "}, 7, None),
+    ({"PORTSPEED_HANG_TIMEOUT": "10"}, config.HANG_TRACE_ENTRIES, 10.0),
+    ({"PORTSPEED_HANG_TIMEOUT": " 2.5 ", "PORTSPEED_TRACE": "64"}, 64, 2.5),
+    ({"PORTSPEED_HANG_TIMEOUT": "10", "PORTSPEED_TRACE": "0"}, 0, 10.0),  # `portspeed run` refuses this pair
+])
+def test_trace_and_hang_timeout_have_one_reading(env: dict, trace: int, hang: float | None) -> None:
+    """The recorder's entries and the hang timeout, as the launcher and every rank read them (one parser)."""
+    s = Settings.from_env(env)
+    assert (s.trace, s.hang_timeout) == (trace, hang)

@@ -4,7 +4,9 @@ Each fault (tests/data/trace_faults.py) runs under `portspeed run`; the job must
 kill bound is the hang timeout plus start-up, not a timed assertion), its closing lines must name the
 rank and the collective (op, group, sequence number, call site) and the dump folder, and no rank may be
 left running (on the CPU adapter's Gloo, on the stand-in vendor backend, and, marked testdev, on the
-test device's testccl). A control run with no fault, dumped at exit, leaves `why-hung` with exit 1. One child
+test device's testccl). The script imports no framework (plain torch): the worker sets the adaptor up at
+launch, so recording starts there (tests/test_trace_unrecorded.py: the ranks that never record). A control
+run with no fault, dumped at exit, leaves `why-hung` with exit 1. One child
 checks the recorder itself: torch's fields, the ring bound, results untouched, a dump on SIGUSR1.
 """
 
@@ -37,10 +39,9 @@ def _site(tag: str) -> str:
 def _launch(mode: str, folder: Path, env: dict | None = None) -> tuple[int, list[str], str]:
     res = run_python(["-m", "portspeed.cli", "run", "--hang-timeout", str(HANG_S), "--nproc-per-node", "2",
                       "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT), mode],
-                     timeout=BOUND, env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_FRAMEWORK_MODULES": "__main__",
-                                         "PORTSPEED_TRACE_DIR": str(folder), "PORTSPEED_TRACE_ON_EXIT": "1",
-                                         **(env or {})},
-                     drop=["PORTSPEED_TRACE"])
+                     timeout=BOUND, env={"PORTSPEED_ACCELERATOR": "cpu", "PORTSPEED_TRACE_DIR": str(folder),
+                                         "PORTSPEED_TRACE_ON_EXIT": "1", **(env or {})},
+                     drop=["PORTSPEED_TRACE", "PORTSPEED_HANG_TIMEOUT", "PORTSPEED_FRAMEWORK_MODULES"])
     lines = [x for x in res.stderr.splitlines() if x.startswith("portspeed run:")]
     return res.returncode, lines, res.stdout + res.stderr
 

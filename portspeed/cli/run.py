@@ -14,8 +14,12 @@ worker), or a dotted module name of your own (it must be importable by the worke
 
 ``--hang-timeout S``  when no rank completes a collective or point-to-point call for S
 seconds, every rank is asked to dump its flight recorder (SIGUSR1), the job is ended, and
-the closing lines are `portspeed why-hung`'s answer and the dump folder. It turns recording
-on (``PORTSPEED_TRACE``, 2000 entries unless set). Whenever recording is on, the dumps go
+the closing lines are `portspeed why-hung`'s answer and the dump folder. It sets
+``PORTSPEED_HANG_TIMEOUT`` for the workers (the same variable set by hand does what the option
+does) and turns recording on (``PORTSPEED_TRACE``, 2000 entries unless set); the adaptor is then
+set up at launch, so a script that never imports the framework is recorded too, and a rank that
+records nothing is named with the reason and ends the job as a hang would
+(``portspeed.cli.hang_watch``). Whenever recording is on, the dumps go
 to ``PORTSPEED_TRACE_DIR`` or a new folder under the temporary directory, named in one line,
 and a run whose dumps show a cause ends with that answer (docs/reliability.md, "When it hangs").
 

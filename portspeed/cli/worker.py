@@ -17,6 +17,11 @@ spec, as under ``python -m``: a spawned child re-enters here as ``__mp_main__``,
 the adaptor (named in ``PORTSPEED_RUN_ADAPTOR``) and runs the script's top level as
 ``__mp_main__``, exactly as spawn does for a plain script, so what the parent pickled by
 reference to ``__main__`` resolves. Forked children inherit everything anyway.
+
+With recording on (``PORTSPEED_TRACE``, or a hang timeout) the adaptor is set up at launch, not at
+the framework's first import: a script that never imports the framework (plain torch) is recorded
+too, and `portspeed run --hang-timeout` watches it. Under a hang timeout the worker also keeps a file
+saying why this rank records nothing until its recorder starts (``portspeed.cli.hang_watch``).
 """
 
 from __future__ import annotations
@@ -63,6 +68,17 @@ def _import_adaptor(name: str | None) -> None:
         importlib.import_module(name)
 
 
+def _record_from_launch(adaptor: str) -> None:
+    """Recording on: run the adaptor's set-up now (it installs the recording patches) rather than at the
+    framework's first import, which a plain torch script never makes."""
+    from portspeed import config
+
+    if config.settings().trace > 0 and adaptor != "none":
+        from portspeed.integrations.activation import activate_waiting
+
+        activate_waiting()
+
+
 def _code_of(target: str) -> tuple[Any, dict[str, Any]]:
     """Compiled code of ``path:<file>`` or ``module:<name>``, and the globals it runs with."""
     kind, _, what = target.partition(":")
@@ -99,12 +115,16 @@ def main(argv: list[str] | None = None) -> None:
     if opts.local_rank is not None:
         script_args = [f"--local-rank={opts.local_rank}", *script_args]
     os.environ[ADAPTOR_ENV] = opts.adaptor
+    from portspeed.cli.hang_watch import note_unrecorded
+
+    note_unrecorded(opts.adaptor)  # under a hang timeout: why this rank records nothing, until it does
     target = f"module:{what}" if opts.module else f"path:{os.path.abspath(what)}"
     os.environ[TARGET_ENV] = target  # first: the adaptor's check of PORTSPEED_FRAMEWORK_MODULES looks beside it
     _import_adaptor(opts.adaptor)
     if not opts.module:
         sys.path[0] = os.path.dirname(target[len("path:"):])
     sys.argv = [what, *script_args]
+    _record_from_launch(opts.adaptor)
     _run_as_main(target)
 
 

@@ -29,13 +29,15 @@ Contract
   thread blocked inside a collective still dumps), on SIGTERM (the launcher stopping the
   rank: it dumps, then dies of SIGTERM as before), on an exception that ends the rank, when
   a recorded call raises, when one call stays in flight longer than ``PORTSPEED_TIMEOUT``,
-  and at exit with ``PORTSPEED_TRACE_ON_EXIT=1`` (``portspeed.comm.trace_triggers``). Each writes
-  ``<dir>/portspeed_trace_rank_<R>`` (a pickle, as torch's dumps) atomically.
+  and at exit with ``PORTSPEED_TRACE_ON_EXIT=1`` (``portspeed.comm.trace_triggers``, which the recorder
+  starts and which imports nothing of it). Each writes ``<dir>/portspeed_trace_rank_<R>`` (a pickle, as
+  torch's dumps) atomically; the folder's file names are ``portspeed.comm.trace_files``.
 - The caller's frames start past ``torch.distributed``'s own (its ``*_object`` collectives call the
   recorded functions: the entry is theirs, ``ps_via`` names the ``*_object`` function). The CCLs'
   inner staging groups are listed and, for the stand-in, their steps recorded apart
   (``portspeed.comm.trace_staging``); on NCCL torch's own recorder runs too
-  (``portspeed.comm.trace_torch``). Groups are held weakly (id -> weakref).
+  (``portspeed.comm.trace_torch``, which hands the recorder its dump function: this module imports
+  neither). Groups are held weakly (id -> weakref).
 - Write-through: each issued entry is also appended, one line (the repr of a tuple of its
   main fields, ``WRITE_THROUGH_FIELDS``), to ``<dir>/portspeed_last_calls_<R>.txt`` (one
   ``os.write``, no flush needed: the kernel keeps it when the process dies), so a rank killed
@@ -53,11 +55,12 @@ import sys
 import tempfile
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
-from portspeed.comm.trace_fields import (DUMP_PREFIX, HANG_ENV, OPS, PROGRESS_PREFIX, TORCH_DUMP_PREFIX,  # noqa: F401
-                                         VERSION, WRITE_THROUGH_FIELDS, WRITE_THROUGH_PREFIX, _FRAMES, _META, _SITES,
+from portspeed.comm.trace_fields import (OPS, VERSION, WRITE_THROUGH_FIELDS, _FRAMES, _META, _SITES,  # noqa: F401
                                          _device, _meta, _site, _sizes)
+from portspeed.comm.trace_files import (DUMP_PREFIX, HANG_ENV, PROGRESS_PREFIX, TORCH_DUMP_PREFIX,  # noqa: F401
+                                        WRITE_THROUGH_PREFIX)
 
 __all__ = ["OPS", "Recorder", "recorder", "enabled", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX",
            "WRITE_THROUGH_PREFIX", "HANG_ENV", "TORCH_DUMP_PREFIX"]
@@ -98,7 +101,18 @@ class Recorder:
         #: the CCLs' inner staging calls (the stand-in's ring steps), apart: they must not push the user's calls out
         self.staged: collections.deque = collections.deque(maxlen=min(size, 256))
         self.staging_groups: list[dict] = []  # pg_config rows of the CCLs' inner groups
-        self.torch_fr = False  # torch's own recorder is on (NCCL): a dump also writes torch's
+        #: torch's own recorder is on (NCCL): a dump also writes torch's, with this (set by portspeed.comm.trace_torch)
+        self.torch_dump: Callable[[str, int], None] | None = None
+
+    @property
+    def torch_fr(self) -> bool:
+        """Whether torch's own flight recorder runs beside this one (NCCL)."""
+        return self.torch_dump is not None
+
+    @staticmethod
+    def rank() -> int:
+        """This process's global rank (RANK before the default group exists)."""
+        return _rank()
 
     # ------------------------------------------------------------------ groups
     def _group(self, group: Any) -> list:
@@ -298,10 +312,8 @@ class Recorder:
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "wb") as f:
                 pickle.dump(data, f)
-            if self.torch_fr:  # first: portspeed's file appearing tells the hang watchdog the rank is done
-                from portspeed.comm.trace_torch import dump_torch
-
-                dump_torch(folder, rank)
+            if self.torch_dump is not None:  # first: portspeed's file appearing tells the hang watchdog the rank is done
+                self.torch_dump(folder, rank)
             os.replace(tmp, path)
             self._dumped_for = reason
             print(f"portspeed trace: rank {rank} dumped {len(entries)} entries ({reason}) to {path}",

@@ -1,33 +1,23 @@
 """What a flight-recorder entry holds, spelled as torch's dumps spell it, and the hot path's first-seen caches.
 
 Why a module of its own: ``portspeed.comm.trace`` (the recorder) builds one entry per call on
-the hot path; this is its vocabulary: the dump and write-through file names, the op table (where
+the hot path; this is its vocabulary: the write-through line's fields, the op table (where
 each ``torch.distributed`` function keeps its tensors, group and peer), c10 dtype names, and the
 caches that let an entry for a call seen before be built by lookups (issue 25 measured the
-cold rebuild at ~42 µs a call inside a training step: docs/benchmarks.md, "Recording").
+cold rebuild at ~42 µs a call inside a training step: docs/benchmarks.md, "Recording"). The file
+names are ``portspeed.comm.trace_files``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["OPS", "DUMP_PREFIX", "WRITE_THROUGH_PREFIX", "WRITE_THROUGH_FIELDS", "TORCH_DUMP_PREFIX",
-           "PROGRESS_PREFIX", "HANG_ENV", "VERSION"]
+__all__ = ["OPS", "WRITE_THROUGH_FIELDS", "VERSION"]
 
-#: dump files: ``<prefix><rank>`` (torch's loader infers the prefix from the trailing rank)
-DUMP_PREFIX = "portspeed_trace_rank_"
-#: write-through files ``<prefix><rank>.txt`` (named so torch's loader, which reads ``*<digits>``, skips them)
-WRITE_THROUGH_PREFIX = "portspeed_last_calls_"
 #: the fields of a write-through line, in order (frame_*: the caller's frame)
 WRITE_THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", "p2p_seq_id", "profiling_name",
                         "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "time_created_ns", "is_p2p",
                         "ps_peer", "ps_ranks", "ps_op", "frame_name", "frame_filename", "frame_line")
-#: torch's own dumps (NCCL, ``TORCH_FR_DUMP_TEMP_FILE``): ``<prefix><rank>``, next to portspeed's
-TORCH_DUMP_PREFIX = "torch_fr_trace_rank_"
-#: heartbeat files ``<prefix><rank>.beat`` for `portspeed run --hang-timeout`: mtime = the rank's last completion
-PROGRESS_PREFIX = "portspeed_progress_"
-#: set by `portspeed run --hang-timeout`: the workers keep their heartbeat files
-HANG_ENV = "PORTSPEED_RUN_HANG_TIMEOUT"
 #: the dump format's version (torch 2.13's flight recorder writes "2.10")
 VERSION = "2.10"
 

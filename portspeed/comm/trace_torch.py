@@ -24,7 +24,8 @@ import os
 import sys
 from typing import Any
 
-from portspeed.comm.trace import TORCH_DUMP_PREFIX, recorder
+from portspeed.comm.trace import recorder
+from portspeed.comm.trace_files import TORCH_DUMP_PREFIX
 
 __all__ = ["TORCH_FR_ENV", "torch_recorder_env", "before_init", "dump_torch"]
 
@@ -75,4 +76,4 @@ def before_init(backend: Any) -> None:
 
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else None
     if torch_recorder_env(backend, rec.entries.maxlen or 0, rec.folder_now()) or "nccl" in str(backend).lower():
-        rec.torch_fr = True
+        rec.torch_dump = dump_torch  # the recorder's dumps write torch's buffer too (it imports nothing of this module)

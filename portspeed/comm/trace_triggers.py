@@ -17,6 +17,7 @@ the pipe away; SIGTERM is then handled in the main thread only, SIGUSR1 not at a
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import sys
@@ -24,13 +25,19 @@ import threading
 import time
 from typing import Any
 
-from portspeed.comm.trace import HANG_ENV, PROGRESS_PREFIX, Recorder, _rank, log
+from portspeed import config
+from portspeed.comm.trace_files import beat_file
 
 __all__ = ["install"]
 
+log = logging.getLogger("portspeed.trace")
 
-def install(rec: Recorder, on_exit: bool) -> None:
-    """SIGUSR1, the exception that ends the rank, exit, the in-flight watchdog; write-through."""
+
+def install(rec: Any, on_exit: bool) -> None:
+    """SIGUSR1, the exception that ends the rank, exit, the in-flight watchdog; write-through.
+
+    ``rec`` is the process's ``portspeed.comm.trace.Recorder``, which calls this when it starts (so this module
+    imports nothing of the recorder's: the import runs one way)."""
     try:
         rec.start_write_through()
     except OSError as exc:
@@ -66,13 +73,13 @@ def install(rec: Recorder, on_exit: bool) -> None:
     threading.Thread(target=_watch, args=(rec, wake), name="portspeed-trace", daemon=True).start()
 
 
-def _watch(rec: Recorder, wake: int | None) -> None:
+def _watch(rec: Any, wake: int | None) -> None:
     """Dump on SIGUSR1 and when a call stays in flight past the timeout; keep the heartbeat for the launcher."""
     import select
 
     beat = None
-    if os.environ.get(HANG_ENV):
-        beat = os.path.join(rec.folder_now(), f"{PROGRESS_PREFIX}{_rank()}.beat")
+    if config.settings().hang_timeout is not None:
+        beat = beat_file(rec.folder_now(), rec.rank())
         with open(beat, "w") as f:
             f.write(str(os.getpid()))
         atexit.register(_remove, beat)  # a rank that ends is not waited for
@@ -104,7 +111,7 @@ def _watch(rec: Recorder, wake: int | None) -> None:
             rec.dump("timeout")
 
 
-def _term(rec: Recorder, asked: float = -1e9) -> None:
+def _term(rec: Any, asked: float = -1e9) -> None:
     """Dump once for SIGTERM, unless a SIGUSR1 dump (the hang watchdog's) was just written."""
     if not getattr(rec, "_term_seen", False):
         rec._term_seen = True  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ none: no fault. skip: rank 1 skips its 3rd all_reduce. shape: an all_gather whos
 rank 1. op: rank 0 all_reduce, rank 1 all_gather at the same point. p2p: rank 0 sends twice, rank 1 receives
 once (a pipeline stage that never posts its second recv). straggler: rank 1 sleeps 3 s before its 3rd
 all_reduce. A rank done with its collectives sleeps (busy elsewhere) so its peer waits: `--hang-timeout` ends
-the job. The lines marked `site:` are what the tests expect `why-hung` to name.
+the job. The lines marked `site:` are what the tests expect `why-hung` to name (PLANT_BACKEND: the backend asked for).
 """
 import datetime
 import os
@@ -20,7 +20,7 @@ mode = sys.argv[1]
 acc = portspeed.get_accelerator()  # the CPU adapter, or the test device (one device per rank)
 acc.set_device(int(os.environ["LOCAL_RANK"]))
 dev = acc.device()
-dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600))  # longer than any test: the watchdog ends it
+dist.init_process_group(os.environ.get("PLANT_BACKEND", "nccl"), timeout=datetime.timedelta(seconds=600))  # > any test
 rank = dist.get_rank()
 t = torch.ones(4, device=dev)
 for i in range(4):
