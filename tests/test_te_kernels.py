@@ -258,6 +258,22 @@ def test_plan_reads_declarations_only() -> None:
     assert forced["attention"] == "torch" and forced["rms_norm"] == "reference"
 
 
+@pytest.mark.parametrize("setting,rms_norm", [("", "vendor"), ("reference", "reference"),
+                                              ("torch,attention=vendor", "torch"), ("rms_norm=reference", "reference")])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_plan_and_first_use_walk_one_ladder(setting: str, rms_norm: str, grouped: bool, portspeed_env: Any) -> None:
+    """The plan (from the class, nothing imported) and the choice at first use (the live adapter) agree, op by op,
+    with the same reasons: one walk down vendor -> torch -> reference."""
+    portspeed_env(PORTSPEED_TE_KERNELS=setting or None)
+    acc = _adapter({"rms_norm": norms.rms_norm_reference, "swiglu": "portspeed.portable_te.swiglu:swiglu_reference"},
+                   grouped=grouped)
+    set_accelerator(acc)
+    kernels.reset()
+    planned = kernels.plan(type(acc))
+    assert [(c.op, c.impl, c.why) for c in planned] == [(c.op, c.impl, c.why) for c in kernels.choices()]
+    assert {c.op: c.impl for c in planned}["rms_norm"] == rms_norm
+
+
 def test_info_prints_the_table_from_declarations() -> None:
     from portspeed.cli import info
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from portspeed.config import TE_KERNEL_OPS
 from portspeed.errors import PortspeedError
 
 __all__ = ["KERNEL_BANDS", "KERNEL_OPS", "KernelContractError", "causal_allowed", "check_kernel", "check_declared",
@@ -110,9 +111,9 @@ def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) ->
     ``[m, n]``; differentiable (as ``torch.nn.functional.grouped_mm``)."""
 
 
-#: op name -> its contract
-KERNEL_OPS: dict[str, Callable] = {f.__name__: f for f in (attention, attention_lse, attention_lse_backward, rms_norm,
-                                                          layer_norm, rope, swiglu, grouped_mm)}
+#: op name -> its contract, for each operation of the one list (``portspeed.config.TE_KERNEL_OPS``; a name there
+#: without a contract above fails here, at import)
+KERNEL_OPS: dict[str, Callable] = {op: globals()[op] for op in TE_KERNEL_OPS}
 
 
 def check_kernel(op: str, kernel: Callable) -> str | None:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from portspeed import config
 from portspeed.accelerator import selection
-from portspeed.accelerator.kernel_ops import KERNEL_OPS, resolve_kernel
+from portspeed.accelerator.kernel_ops import resolve_kernel
 
 __all__ = ["Choice", "IMPLS", "TABLE", "kernel", "choice", "choices", "plan", "reset", "import_path"]
 
@@ -58,8 +58,9 @@ class _Row(NamedTuple):
     reference: str          # import path of the reference implementation
 
 
-#: op -> its implementations (each with the contract's signature: portspeed.accelerator.kernel_ops)
-TABLE: dict[str, _Row] = {
+#: op -> its implementations (each with the contract's signature: portspeed.accelerator.kernel_ops), for each
+#: operation of the one list, ``config.TE_KERNEL_OPS`` (which the contracts and PORTSPEED_TE_KERNELS follow too)
+_ROWS: dict[str, _Row] = {
     "attention": _Row(f"{_SDPA}:attention_torch", "torch.nn.functional.scaled_dot_product_attention",
                       f"{_SDPA}:attention_reference"),
     "attention_lse": _Row(f"{_SDPA}:attention_lse_torch", "torch's per-device SDPA ops that return the log-sum-exp",
@@ -79,7 +80,9 @@ TABLE: dict[str, _Row] = {
                        "torch.nn.functional.grouped_mm for the dtypes the adapter declares (has_grouped_mm), "
                        "else the loop", "portspeed.portable_te.grouped:grouped_mm_reference"),
 }
-assert tuple(TABLE) == tuple(KERNEL_OPS) == config.TE_KERNEL_OPS, "the kernel table and the contracts differ"
+if set(_ROWS) != set(config.TE_KERNEL_OPS):  # pragma: no cover  (a row added here must be an operation there)
+    raise ImportError(f"portable_te.kernels has rows for {sorted(_ROWS)}, the operations are {config.TE_KERNEL_OPS}")
+TABLE: dict[str, _Row] = {op: _ROWS[op] for op in config.TE_KERNEL_OPS}
 
 _GROUPED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -102,47 +105,58 @@ def _has_grouped_mm_op() -> bool:
     return hasattr(F, "grouped_mm") or hasattr(torch, "_grouped_mm")
 
 
-def _torch_unavailable(op: str, acc: Any) -> str | None:
-    """Why torch's fused form of ``op`` cannot serve on this adapter (None: it can); torch's own checks only."""
+def _torch_unavailable(op: str, device_type: Any, grouped: Callable[[], bool]) -> str | None:
+    """Why torch's fused form of ``op`` cannot serve (None: it can); torch's own checks only. ``grouped()``: whether
+    the adapter declares a grouped-GEMM kernel (asked only for ``grouped_mm``)."""
     row = TABLE[op]
     if row.torch is None:
         return "torch has no fused form"
     if op.startswith("attention"):
         if not hasattr(F, "scaled_dot_product_attention"):
             return f"torch {torch.__version__} has no scaled_dot_product_attention"
-        return _sdpa_unavailable(op, acc.device_type)
+        return _sdpa_unavailable(op, device_type) if isinstance(device_type, str) else None
     if op == "rms_norm" and not hasattr(F, "rms_norm"):
         return f"torch {torch.__version__} has no torch.nn.functional.rms_norm (torch >= 2.4)"
     if op == "grouped_mm":
         if not _has_grouped_mm_op():
             return f"torch {torch.__version__} has no grouped_mm (torch >= 2.8)"
-        if not any(acc.has_grouped_mm(dt) for dt in _GROUPED_DTYPES):
+        if not grouped():
             return "no grouped-GEMM kernel declared (has_grouped_mm)"
     return None
 
 
-def _decide(op: str, acc: Any) -> tuple[Choice, Callable]:
-    start = config.settings().te_kernel_start(op)
-    prefix = "" if start == "vendor" else f"PORTSPEED_TE_KERNELS: {start}"
-    declared = acc.kernels()
+def _named(kernel: Any) -> str:
+    """A declared vendor kernel as the reports show it: its import path, or the function's name."""
+    return kernel if isinstance(kernel, str) else getattr(kernel, "__qualname__", repr(kernel))
+
+
+def _ladder(op: str, start: str, adapter: str, declared: Any, torch_unavailable: Callable[[], str | None]) -> Choice:
+    """The one walk down vendor -> torch -> reference from ``start``: the first implementation that can serve ``op``,
+    and why the ones above it cannot. ``declared``: the adapter's vendor kernel (None: none)."""
+    forced = [] if start == "vendor" else [f"PORTSPEED_TE_KERNELS: {start}"]
     skipped: list[str] = []
     for impl in IMPLS[IMPLS.index(start):]:
         if impl == "vendor":
-            if op in declared:
-                fn = resolve_kernel(acc.name, op, declared[op])
-                what = declared[op] if isinstance(declared[op], str) else getattr(fn, "__qualname__", repr(fn))
-                return Choice(op, "vendor", f"adapter {acc.name!r} declares {what}"), fn
-            skipped.append(f"adapter {acc.name!r} declares no vendor kernel")
+            if declared is not None:
+                return Choice(op, "vendor", f"adapter {adapter!r} declares {_named(declared)}")
+            skipped.append(f"adapter {adapter!r} declares no vendor kernel")
         elif impl == "torch":
-            why_not = _torch_unavailable(op, acc)
+            why_not = torch_unavailable()
             if why_not is None:
-                why = "; ".join([TABLE[op].what, *([prefix] if prefix else []), *skipped])
-                return Choice(op, "torch", why), import_path(TABLE[op].torch)  # type: ignore[arg-type]
+                return Choice(op, "torch", "; ".join([TABLE[op].what, *forced, *skipped]))
             skipped.append(why_not)
-        else:
-            return Choice(op, "reference", "; ".join([*([prefix] if prefix else []), *skipped])), \
-                import_path(TABLE[op].reference)
-    raise AssertionError("unreachable: reference is always last")  # pragma: no cover
+    return Choice(op, "reference", "; ".join([*forced, *skipped]))
+
+
+def _decide(op: str, acc: Any) -> tuple[Choice, Callable]:
+    """The ladder on the active adapter, and the function it chose (a vendor kernel checked against its contract)."""
+    declared = acc.kernels().get(op)
+    c = _ladder(op, config.settings().te_kernel_start(op), acc.name, declared,
+                lambda: _torch_unavailable(op, acc.device_type,
+                                           lambda: any(acc.has_grouped_mm(dt) for dt in _GROUPED_DTYPES)))
+    if c.impl == "vendor":
+        return c, resolve_kernel(acc.name, op, declared)
+    return c, import_path(getattr(TABLE[op], c.impl))
 
 
 def _note(c: Choice) -> None:
@@ -194,43 +208,18 @@ def choices() -> list[Choice]:
 def plan(adapter_cls: type, settings: config.Settings | None = None) -> list[Choice]:
     """What each operation would run on ``adapter_cls``, from declarations only (for ``portspeed info``).
 
-    No vendor kernel is imported, no adapter is made and no device runtime loads: vendor kernels are
-    taken as declared, torch's forms by their presence in this torch and the attention module's
-    per-device-type check; ``grouped_mm`` by whether the adapter overrides ``has_grouped_mm`` (its
-    per-dtype answer needs the device: decided at first use).
+    The same ladder as at first use, asked of the class: no vendor kernel is imported, no adapter is made
+    and no device runtime loads: vendor kernels are taken as declared, torch's forms by their presence in
+    this torch and the attention module's per-device-type check; ``grouped_mm`` by whether the adapter
+    overrides ``has_grouped_mm`` (its per-dtype answer needs the device: decided at first use).
     """
     settings = settings or config.settings()
     declared = adapter_cls.kernels()
-    out = []
-    for op, row in TABLE.items():
-        start, skipped = settings.te_kernel_start(op), []
-        prefix = "" if start == "vendor" else f"PORTSPEED_TE_KERNELS: {start}"
-        for impl in IMPLS[IMPLS.index(start):]:
-            if impl == "vendor":
-                if op in declared:
-                    k = declared[op]
-                    out.append(Choice(op, "vendor", f"declared: {k if isinstance(k, str) else k.__qualname__}"))
-                    break
-                skipped.append("no vendor kernel declared")
-            elif impl == "torch":
-                why_not = None
-                if row.torch is None:
-                    why_not = "torch has no fused form"
-                elif op == "rms_norm" and not hasattr(F, "rms_norm"):
-                    why_not = f"torch {torch.__version__} has no F.rms_norm"
-                elif op == "grouped_mm" and not _has_grouped_mm_op():
-                    why_not = f"torch {torch.__version__} has no grouped_mm"
-                elif op == "grouped_mm" and getattr(adapter_cls, "has_grouped_mm") is _base_has_grouped_mm():
-                    why_not = "no grouped-GEMM kernel declared (has_grouped_mm)"
-                elif op.startswith("attention") and isinstance(getattr(adapter_cls, "device_type", None), str):
-                    why_not = _sdpa_unavailable(op, adapter_cls.device_type)
-                if why_not is None:
-                    out.append(Choice(op, "torch", "; ".join([row.what, *([prefix] if prefix else []), *skipped])))
-                    break
-                skipped.append(why_not)
-            else:
-                out.append(Choice(op, "reference", "; ".join([*([prefix] if prefix else []), *skipped])))
-    return out
+    name = getattr(adapter_cls, "name", "") or adapter_cls.__name__
+    grouped = lambda: getattr(adapter_cls, "has_grouped_mm") is not _base_has_grouped_mm()  # noqa: E731
+    return [_ladder(op, settings.te_kernel_start(op), name, declared.get(op),
+                    lambda op=op: _torch_unavailable(op, getattr(adapter_cls, "device_type", None), grouped))
+            for op in TABLE]
 
 
 def _sdpa_unavailable(op: str, device_type: str) -> str | None:
