@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging as _logging
 import threading as _threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from portspeed.errors import PortspeedError
 from portspeed.lazy import lazy_exports as _lazy_exports
@@ -71,13 +71,27 @@ def manager() -> "PatchManager":
     return _manager
 
 
+#: what report() runs first (``before_report``): the package root sits below the integrations and the
+#: plugins, which import it, so it calls up into them only through what they registered
+_before_report: list[Callable[[], Any]] = []
+
+
+def before_report(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` at the start of every ``report()`` (once per registration of the same function).
+
+    ``portspeed.integrations.activation`` registers its ``activate_waiting``: an adaptor whose set-up
+    still waits for its framework's first import is set up first, so a report shows what will be patched.
+    """
+    if fn not in _before_report:
+        _before_report.append(fn)
+
+
 def report(deep: bool = False) -> list[dict]:
     """Every patch of the process-wide manager with its status; ``deep`` also lists unrebindable references.
 
-    An adaptor whose set-up still waits for its framework's first import
-    (``portspeed.integrations.activation``) is set up first, so the report shows what will be patched.
+    An adaptor whose set-up still waits for its framework's first import is set up first (see ``before_report``),
+    so the report shows what will be patched.
     """
-    from portspeed.integrations.activation import activate_waiting
-
-    activate_waiting()
+    for fn in list(_before_report):
+        fn()
     return manager().report(deep=deep)

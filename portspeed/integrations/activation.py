@@ -21,8 +21,8 @@ Contract
   from ``activate`` propagates from the ``import`` statement that fired it; the adaptor's
   ``activate()`` can be called again to retry.
 - ``activate_waiting()`` runs every trigger that has not fired (``portspeed.report()``
-  calls it, so a report shows what the framework's import would do); ``waiting()`` names
-  the adaptors still waiting.
+  calls it, registered here with ``portspeed.before_report``, so a report shows what the
+  framework's import would do); ``waiting()`` names the adaptors still waiting.
 - Until it fires, a trigger costs a read of the prefixes and a prefix test per module import
   (about 1 µs).
 """
@@ -34,6 +34,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+import portspeed
 from portspeed.accelerator.scope import is_under
 
 __all__ = ["defer", "activate_waiting", "waiting", "cancel"]
@@ -124,3 +125,6 @@ def activate_waiting() -> None:
         pending = list(_triggers.values())
     for trigger in pending:
         trigger.fire()
+
+
+portspeed.before_report(activate_waiting)  # the package root imports nothing above the engine: it is told
