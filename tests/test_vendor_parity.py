@@ -10,8 +10,7 @@
 2. A TEST-ONLY declared patch (portspeed.testing.plant) scales the gradient into decoder
    layer 1 from iteration PLANT on. ``portspeed compare`` (the CLI) must exit 1 naming
    iteration PLANT+1 for the loss (the loss of N is computed before N's update) and PLANT
-   for the grad norm; ``portspeed compare --layers`` must name layer 1's ``mlp.linear_fc2``
-   gradient as the first difference.
+   for the grad norm. (Where it is, module by module, is the probe's part: ``portspeed run --probe``.)
 
 All runs start from one checkpoint written before training (module fixture); each is a real
 torchrun job on 127.0.0.1 with a hard time limit.
@@ -39,7 +38,6 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.megatron]
 
 ITERS = 6
 PLANT = 3  # first iteration whose backward is scaled
-PLANT_LAYER_MODULE = "decoder.layers.1.mlp.linear_fc2"
 DP2_DISTOPT = ["--use-distributed-optimizer"]
 FP32_TOL = Tolerance(1e-5, 0.0, "fp32: Gloo vs stand-in differ only in reduction order")
 #: bf16 Gloo vs stand-in, DP2: measured max |diff| 0.0 over 6 iterations (torch 2.13 CPU, mcore 0.16.1).
@@ -82,10 +80,9 @@ def init_ckpt(workdir: Path) -> str:
 
 @pytest.fixture(scope="module")
 def gloo_fp32(workdir: Path, init_ckpt: str) -> Path:
-    """The reference: DP2, distributed optimizer, AVG in the collective, on Gloo; layer stats of PLANT."""
-    return _record_run(workdir, "gloo_fp32", [*DP2_DISTOPT, "--average-in-collective", "--backend", "gloo",
-                                              "--layer-stats", str(PLANT), "--layer-stats-out",
-                                              str(workdir / "clean.stats.rank{rank}.json")], init_ckpt)
+    """The reference: DP2, distributed optimizer, AVG in the collective, on Gloo."""
+    return _record_run(workdir, "gloo_fp32", [*DP2_DISTOPT, "--average-in-collective", "--backend", "gloo"],
+                       init_ckpt)
 
 
 def _check_parity(ref_path: Path, run_path: Path, tol: Tolerance) -> float:
@@ -155,12 +152,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(res.cmd, res.returncode, res.stdout, res.stderr)
 
 
-def test_planted_divergence_is_caught_and_localised(workdir: Path, init_ckpt: str, gloo_fp32: Path) -> None:
-    """Planted gradient scaling from PLANT: compare exits 1 at PLANT+1 (loss) / PLANT (grad norm); --layers names it."""
+def test_planted_divergence_is_caught(workdir: Path, init_ckpt: str, gloo_fp32: Path) -> None:
+    """Planted gradient scaling from PLANT: compare exits 1 at PLANT+1 (loss) / PLANT (grad norm)."""
     planted = workdir / "planted.json"
     _, stderr = _train(2, [*DP2_DISTOPT, "--average-in-collective", "--backend", "gloo", "--loss-log", str(planted),
-                           "--plant-divergence", str(PLANT), "--layer-stats", str(PLANT), "--layer-stats-out",
-                           str(workdir / "planted.stats.rank{rank}.json")], init=init_ckpt)
+                           "--plant-divergence", str(PLANT)], init=init_ckpt)
     assert "TEST-ONLY planted divergence active" in stderr
 
     report = workdir / "planted_report.json"
@@ -171,14 +167,6 @@ def test_planted_divergence_is_caught_and_localised(workdir: Path, init_ckpt: st
     # the loss of iteration N is computed before N's update: the scaled backward of PLANT shows in
     # PLANT's grad norm at once and in the loss from PLANT + 1 on
     assert firsts == {"lm_loss": PLANT + 1, "grad_norm": PLANT}, firsts
-
-    clean_stats, planted_stats = workdir / "clean.stats.rank0.json", workdir / "planted.stats.rank0.json"
-    layers = _cli("--layers", str(clean_stats), str(planted_stats))
-    assert layers.returncode == 1, f"--layers must find a difference (exit 1)\n{layers.stdout}{layers.stderr}"
-    line = next(ln for ln in layers.stdout.splitlines() if ln.startswith("DIFFERS"))
-    assert f"DIFFERS at iteration {PLANT}" in line and "gradient" in line, line
-    named = line.split("module '", 1)[1].split("'", 1)[0]
-    assert named.endswith(PLANT_LAYER_MODULE), f"expected the first differing gradient in {PLANT_LAYER_MODULE}: {line}"
 
 
 
