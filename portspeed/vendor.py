@@ -15,7 +15,8 @@ check it: ``portspeed conformance --adapter path/to/acme.py:Acme``. A worked fil
    ``AdapterContractError``; a base class that adapters subclass passes ``abstract=True``):
        name, device_type, backend (a PrivateUse1Accelerator subclass may leave backend empty)
    identity:  vendor_modules, vendor_package, runs_cuda_natively, device_is_host, verified_on_hardware,
-              auto_detect (PrivateUse1Accelerator), detect(), load_vendor(), vendor_installed()
+              auto_detect (PrivateUse1Accelerator), detect(), load_vendor(), vendor_installed(), describe(),
+              communication_backend (``backend`` unless PORTSPEED_BACKEND overrides it)
    devices:   is_available(), device_count(), current_device(), set_device(index), device(index),
               synchronize(index)
    RNG:       default_generator(index), get_rng_state(index), set_rng_state(state, index), manual_seed(seed),
@@ -50,6 +51,7 @@ check it: ``portspeed conformance --adapter path/to/acme.py:Acme``. A worked fil
        grouped_mm(x, weights, offsets) -> y
    helpers: causal_allowed(sq, sk, bottom_right, device) (the causal rule as a mask),
             has_grouped_mm(dtype) (torch's own grouped_mm has a real kernel on the device)
+   DeepSpeed's ops: deepspeed_ops() (``{op-builder class name: "module[:attr]"}``, the device's own)
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ registered, no checkpoint directory created.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import pytest
 import torch
@@ -21,6 +22,7 @@ from portspeed.accelerator import preflight
 from portspeed.cli import run as launch
 from portspeed.errors import (ConfigError, PatchConflictError, PatchDefinitionError,
                               PortspeedError, UnknownAcceleratorError, UnknownBackendError)
+from portspeed.vendor import AdapterContractError
 from portspeed.parity import checkpoints
 from portspeed.parity import compare as compare_cli
 from portspeed.patching.manager import PatchManager
@@ -28,12 +30,23 @@ from portspeed.patching.record import Patch
 
 pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py
 TIMEOUT = 180
+VENDOR_EXAMPLE = REPO / "examples" / "vendor_adapter.py"  # the one-file adapter
+LACKING_MEMBER = REPO / "tests" / "data" / "adapter_lacking_member.py"  # a one-file adapter without device_type
 
 # ------------------------------------------------------------------ settings
 #: (environment, exception type, words the one-line message must hold)
 SETTINGS = [
     ({"PORTSPEED_ACCELERATOR": "tpu"}, UnknownAcceleratorError, ["PORTSPEED_ACCELERATOR='tpu'", "accepted: cpu"]),
     ({"PORTSPEED_ACCELERATOR": "cuda:0"}, ConfigError, ["PORTSPEED_ACCELERATOR='cuda:0'", "adapter name"]),
+    # an adapter named by module or file (not installed): what is missing, named
+    ({"PORTSPEED_ACCELERATOR": "missing_module:X"}, UnknownAcceleratorError,
+     ["PORTSPEED_ACCELERATOR='missing_module:X'", "no module named 'missing_module'"]),
+    ({"PORTSPEED_ACCELERATOR": f"{VENDOR_EXAMPLE}:NoSuchClass"}, UnknownAcceleratorError,
+     ["has no 'NoSuchClass'", "the adapter classes it defines: AcmeAccelerator"]),
+    ({"PORTSPEED_ACCELERATOR": "/no/such/dir/acme.py:Acme"}, UnknownAcceleratorError,
+     ["the file '/no/such/dir/acme.py' does not exist"]),
+    ({"PORTSPEED_ACCELERATOR": f"{LACKING_MEMBER}:NoDeviceType"}, AdapterContractError,
+     ["NoDeviceType lacks the required member 'device_type'"]),
     ({"PORTSPEED_BACKEND": "fooccl"}, UnknownBackendError, ["PORTSPEED_BACKEND='fooccl'", "accepted:", "gloo"]),
     ({"PORTSPEED_BACKEND": "nccl,gloo"}, ConfigError, ["PORTSPEED_BACKEND='nccl,gloo'", "one name"]),
     ({"PORTSPEED_STRICT": "maybe"}, ConfigError, ["PORTSPEED_STRICT='maybe'", "1/0, true/false"]),
@@ -138,6 +151,31 @@ def test_portspeed_run_refuses_before_spawning(argv: list[str], env: dict, words
                                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
                                                no_spawn: list) -> None:
     _refused_by_run(argv, env, monkeypatch, capsys, no_spawn, words)
+
+
+#: `portspeed conformance --adapter X` and `portspeed info --adapter X`: (X, words)
+ADAPTER_OPTIONS = [
+    ("missing_module:X", "no module named 'missing_module'"),
+    (f"{VENDOR_EXAMPLE}:NoSuchClass", "has no 'NoSuchClass'"),
+    ("no_such_file.py:Acme", "no_such_file.py' does not exist"),
+    (f"{LACKING_MEMBER}:NoDeviceType", "lacks the required member 'device_type'"),
+    ("cuda:0", "is not an adapter name, module:Class or path/to/file.py:Class"),
+]
+
+
+@pytest.mark.parametrize("command", ["conformance", "info"])
+@pytest.mark.parametrize("value,words", ADAPTER_OPTIONS, ids=[v.rsplit("/", 1)[-1] for v, _ in ADAPTER_OPTIONS])
+def test_adapter_option_refused_in_one_line(command: str, value: str, words: str, capsys: pytest.CaptureFixture,
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--adapter` of `portspeed conformance` / `info`: exit 2, one line naming the option, the value and what is
+    missing; nothing run, and PORTSPEED_ACCELERATOR left as it was."""
+    from portspeed.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--adapter", value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--adapter {value!r}" in err and words in err, err
+    assert "PORTSPEED_ACCELERATOR" not in os.environ
 
 
 def test_unknown_accelerator_fails_the_adaptor_import_itself() -> None:
@@ -432,5 +470,5 @@ def test_example_trainer_refuses_bad_input(tmp_path: Path) -> None:
 
 
 def test_table_has_at_least_thirty_rows() -> None:
-    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + len(TRAINER_LOADS) + 3 + len(FRAMEWORK_MODULES)
+    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + len(TRAINER_LOADS) + 3 + len(FRAMEWORK_MODULES) + 2 * len(ADAPTER_OPTIONS)
     assert rows >= 30, rows

@@ -20,8 +20,11 @@ Reports, like DeepSpeed's ``ds_report``:
   PYTHONPATH counts, not the wheel it shadows). Gates are read from the Patch records
   and distribution metadata; Megatron and DeepSpeed are not imported.
 
-``--json`` prints the same as one JSON object. Exit status: 0, or 1 when the settings
-are invalid or no adapter can be selected (the report says why).
+``--json`` prints the same as one JSON object. ``--adapter NAME`` reports as if
+``PORTSPEED_ACCELERATOR=NAME`` were set: an adapter name, ``module:Class`` or
+``path/to/file.py:Class`` (an adapter that is not installed; its row joins the table). Exit status:
+0, 1 when the settings are invalid or no adapter can be selected (the report says why), 2 when
+``--adapter`` names no adapter (one line saying what is missing).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import sys
 from typing import Any, Callable
 
 from portspeed import __version__, config
-from portspeed.accelerator import adapter_class, available_adapters, get_accelerator, selection_reason
+from portspeed.accelerator import adapter_class, available_adapters, get_accelerator, registry, selection_reason
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 from portspeed.patching.gate import VersionCache, gate
@@ -103,10 +106,11 @@ def _vendor_state(cls: Any) -> tuple[bool, bool | None, str]:
         return True, False, f"detection failed: {type(exc).__name__}: {exc}"
 
 
-def _adapters(selected: str | None) -> list[dict[str, Any]]:
+def _adapters(selected: str | None, spec: str | None = None) -> list[dict[str, Any]]:
+    """One row per known adapter, and one for ``spec`` (``module:Class`` / ``file.py:Class``) when it is selected."""
     rows = []
-    for name in available_adapters():
-        row: dict[str, Any] = {"name": name, "selected": name == selected}
+    for name in available_adapters() + ([spec] if spec else []):
+        row: dict[str, Any] = {"name": name, "selected": name == selected if name != spec else True}
         try:
             cls = adapter_class(name)
         except Exception as exc:  # a broken entry point is reported, not fatal
@@ -225,18 +229,20 @@ def collect() -> dict[str, Any]:
             report["selected"] = {**acc.describe(), "reason": selection_reason()}
         except PortspeedError as exc:
             report.update(ok=False, selected={"error": f"{type(exc).__name__}: {exc}"})
-    report["adapters"] = _adapters(acc.name if acc is not None else (unbuilt or {}).get("name"))
+    spec = settings.accelerator if settings.accelerator and registry.is_spec(settings.accelerator) else None
+    report["adapters"] = _adapters(None if spec else acc.name if acc is not None else (unbuilt or {}).get("name"), spec)
     if acc is not None:
         report["capabilities"] = _capabilities(acc)
     report["patch_sets"] = _patch_sets(settings, acc)
     report["transformer_engine"] = _transformer_engine(report["patch_sets"])
     if acc is not None:
-        report["te_kernels"] = te_kernels(acc.name, settings)
+        report["te_kernels"] = te_kernels(spec or acc.name, settings)
     return report
 
 
 def te_kernels(adapter: str, settings: config.Settings) -> list[dict[str, str]]:
-    """Which implementation serves each portable-TE operation on ``adapter``, and why: from the adapter's Python
+    """Which implementation serves each portable-TE operation on ``adapter`` (a name or ``module:Class`` /
+    ``file.py:Class``), and why: from the adapter's Python
     declarations and this torch only (``portable_te.kernels.plan``: nothing imported, no device runtime)."""
     from portspeed.portable_te.kernels import plan
 
@@ -337,7 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     """`portspeed info [--json]`."""
     parser = argparse.ArgumentParser(prog="portspeed info", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    parser.add_argument("--adapter", default=None, metavar="NAME",
+                        help="report as if PORTSPEED_ACCELERATOR=NAME: an adapter name, module:Class or "
+                        "path/to/file.py:Class")
     args = parser.parse_args(argv)
+    if args.adapter is not None:
+        import os
+
+        from portspeed.accelerator import preflight
+
+        try:  # the check and resolution PORTSPEED_ACCELERATOR gets (a relative file made absolute)
+            os.environ["PORTSPEED_ACCELERATOR"] = preflight.check_adapter_spec(args.adapter, "--adapter ")
+        except PortspeedError as exc:
+            print(f"portspeed info: error: {exc}", file=sys.stderr)
+            return 2
+        config.reload()
     report = collect()
     writer: Callable[[str], Any] = sys.stdout.write
     writer(json.dumps(report, indent=2, default=str) + "\n" if args.json else render(report))

@@ -51,6 +51,8 @@ def suggest(results: list[dict[str, Any]], declared: Any) -> tuple[list[Finding]
     every rank (``results`` with ``key``, ``ok``, ``effect``, ``flagged``); ``declared``: the adapter's
     ``BackendGaps`` or None. Not declarable: a collective the router cannot rewrite (broadcast, gather...), and a
     call the table already rewrites."""
+    import torch.distributed as dist
+
     from portspeed.accelerator.backend_gaps import DECLARABLE
 
     outcomes: dict[tuple, list[str]] = {}
@@ -99,14 +101,15 @@ def suggest(results: list[dict[str, Any]], declared: Any) -> tuple[list[Finding]
                 explained.update(of_dtype)
         for k in bad:
             if k not in explained and k[1] is not None and not flagged[k]:
-                import torch.distributed as dist
-
                 op = getattr(dist.ReduceOp, k[1])
                 if op not in ops:
                     findings.append(Finding("unsupported_ops", op, f"{k[1]} ({coll} {k[2]} {_effect(outcomes[k])})",
                                             first[k]))
                     ops.add(op)
                 explained.add(k)
+    found_ops = {f.value.name for f in findings if f.field == "unsupported_ops"}
+    # a call the table rewrites (another dtype) that fails for an op found missing above: the same gap
+    explained.update(k for k in failed if k[1] in found_ops)
     why = {k: (f"the router cannot rewrite {k[0]}: the library must do it right" if k[0] not in DECLARABLE
                and k[0] != "all_gather_into_tensor" else "the table already rewrites this call: a second gap, or a "
                "portspeed bug" if flagged[k] else "no BackendGaps field describes it")
@@ -157,7 +160,7 @@ def raw_declared(r: Any, caps: Any, declared: Any) -> None:
         calls = seen.get(i, [])
         needed = any(c.endswith((" raised", " was wrong")) for c in calls) or all(
             c.endswith(" off the root") for c in calls)
-        r.results.append({"check": f"raw declared {_item_source(declared, field, items[i][1])}: the library lacks it",
+        r.results.append({"check": f"raw declared {_item_source(declared, field, items[i][1])}: the raw backend shows it",
                           "ok": needed, "item": i, "detail": "" if needed else "the declaration can go (each declared "
                           f"gap costs a rewrite): {'; '.join(calls)}"})
 

@@ -1,0 +1,191 @@
+"""``portspeed.vendor``: the one module a vendor imports, the required members, adapters named by file or module,
+and conformance's answer to an undeclared gap (the pure part; the runs are in test_vendor_example.py)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import portspeed.vendor as vendor
+from portspeed.accelerator import preflight, registry
+from portspeed.conformance import gaps
+from portspeed.vendor import AdapterContractError, BackendGaps, PrivateUse1Accelerator
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "vendor_adapter.py"
+
+
+# ------------------------------------------------------------------ the module
+def test_the_docstring_lists_every_member_of_the_contract() -> None:
+    """Each public member of Accelerator (and PrivateUse1Accelerator's auto_detect) is named in its section."""
+    members = {n for cls in (vendor.Accelerator, PrivateUse1Accelerator) for n in vars(cls)
+               if not n.startswith("_")}
+    doc = vendor.__doc__
+    missing = sorted(m for m in members if not re.search(rf"\b{m}\b", doc))
+    assert not missing, f"portspeed.vendor's docstring does not name: {missing}"
+
+
+def _signature_line(op: str) -> str:
+    params, star = [], False
+    for p in inspect.signature(vendor.KERNEL_OPS[op]).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            params.append("*")
+            star = True
+        params.append(p.name)
+    return f"{op}({', '.join(params)})"
+
+
+@pytest.mark.parametrize("op", sorted(vendor.KERNEL_OPS))
+def test_the_docstring_gives_each_kernel_its_contract_signature(op: str) -> None:
+    """The kernel section's signatures are the contracts' own (kernel_ops), so the page cannot drift from them."""
+    assert _signature_line(op) + " -> " in vendor.__doc__
+
+
+def _portspeed_imports(source: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("portspeed"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("portspeed"))
+    return found
+
+
+ADAPTER_FILES = sorted((REPO / "adapters").glob("*.py")) + [REPO / "portspeed/testing/testdev/adapter.py", EXAMPLE]
+
+
+@pytest.mark.parametrize("path", ADAPTER_FILES, ids=lambda p: p.name)
+def test_adapters_import_only_the_vendor_module(path: Path) -> None:
+    """The built-in adapters, the test device's and the worked example import portspeed only as portspeed.vendor
+    (besides the test device's own package: its build and kernels, what a vendor's own package would be)."""
+    got = _portspeed_imports(path.read_text())
+    others = {m for m in got if m != "portspeed.vendor" and not m.startswith("portspeed.testing.testdev")}
+    assert not others, f"{path.name} imports {sorted(others)}; adapters import portspeed.vendor only"
+
+
+def test_the_guide_imports_only_the_vendor_module() -> None:
+    """Every `from portspeed... import` in docs/writing-an-adapter.md's code is `from portspeed.vendor import`."""
+    doc = (REPO / "docs" / "writing-an-adapter.md").read_text()
+    imports = set(re.findall(r"^\s*from (portspeed[\w.]*) import", doc, re.M))
+    assert imports == {"portspeed.vendor"}, imports
+
+
+def test_the_old_capabilities_name_warns_at_the_importing_line() -> None:
+    """``portspeed.comm.capabilities`` still works (the same module) and warns, pointing at the import."""
+    sys.modules.pop("portspeed.comm.capabilities", None)
+    import portspeed.comm as comm
+
+    comm.__dict__.pop("capabilities", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        old = importlib.import_module("portspeed.comm.capabilities")
+    hits = [w for w in seen if issubclass(w.category, DeprecationWarning) and "portspeed.vendor" in str(w.message)]
+    assert hits and old is importlib.import_module("portspeed.accelerator.capabilities")
+    assert old.BackendGaps is BackendGaps
+
+
+# ------------------------------------------------------------------ required members
+def test_a_concrete_adapter_without_a_required_member_is_refused_when_defined() -> None:
+    with pytest.raises(AdapterContractError, match=r"lacks the required member 'device_type'"):
+        class NoDevice(PrivateUse1Accelerator):  # noqa: F841
+            name = "nodevice"
+    with pytest.raises(AdapterContractError, match=r"'backend'"):
+        class NoBackend(vendor.Accelerator):  # noqa: F841 - the base needs a backend (no registered default)
+            name = "nobackend"
+            device_type = "cpu"
+
+
+def test_an_abstract_base_is_exempt_and_its_subclasses_are_not() -> None:
+    class AcmeBase(PrivateUse1Accelerator, abstract=True):
+        vendor_package = "acme"
+
+    class Acme(AcmeBase):  # the backend comes from the registration for the device type (PrivateUse1)
+        name = "acme"
+        device_type = "acme"
+
+    assert vendor.REQUIRED_MEMBERS.keys() == {"name", "device_type", "backend"}
+    with pytest.raises(AdapterContractError, match="'name'"):
+        class Nameless(AcmeBase):  # noqa: F841
+            device_type = "acme"
+    with pytest.raises(AdapterContractError, match="lacks the required members 'name'"):  # selected: refused too
+        registry.adapter_class("portspeed.accelerator.privateuse1:PrivateUse1Accelerator")
+    from portspeed.accelerator import set_accelerator
+
+    acc = Acme()
+    acc.name = ""  # emptied after definition: refused when selected
+    with pytest.raises(AdapterContractError, match="'name'"):
+        set_accelerator(acc)
+
+
+# ------------------------------------------------------------------ named by module or file
+def test_file_and_module_forms_resolve_to_one_class_from_any_directory(tmp_path: Path, portspeed_env: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative file resolves against the working directory once, to the class every later lookup gets;
+    the launcher's check makes the variable absolute, so a rank in another directory loads the same file."""
+    monkeypatch.chdir(REPO)
+    rel = "examples/vendor_adapter.py:AcmeAccelerator"
+    cls = registry.adapter_class(rel)
+    assert cls.name == "acme" and registry.adapter_class(f"{EXAMPLE}:AcmeAccelerator") is cls
+    portspeed_env(PORTSPEED_ACCELERATOR=rel)
+    preflight.check_settings()
+    assert os.environ["PORTSPEED_ACCELERATOR"] == f"{EXAMPLE}:AcmeAccelerator"
+    monkeypatch.chdir(tmp_path)  # a rank started elsewhere
+    assert registry.adapter_class(os.environ["PORTSPEED_ACCELERATOR"]) is cls
+    assert preflight.check_settings({"PORTSPEED_ACCELERATOR": "portspeed.adapters.cpu:CpuAccelerator"}).accelerator \
+        == "portspeed.adapters.cpu:CpuAccelerator"
+
+
+# ------------------------------------------------------------------ what conformance says to write
+@pytest.mark.parametrize("adapter", ["npu", "xpu", "mlu", "musa", "hpu", "standin", "testdev"])
+def test_each_declaration_writes_itself_back_as_python(adapter: str) -> None:
+    """``BackendGaps.source()`` is the Python an adapter holds: evaluated, it is the same declaration."""
+    declared = registry.adapter_class(adapter).backend_gaps
+    assert eval(declared.source(), {"BackendGaps": BackendGaps, "torch": torch, "dist": dist}) == declared
+
+
+def _row(key: tuple, ok: bool, effect: str = "raises", flagged: bool = False) -> dict:
+    return {"check": " ".join(str(k) for k in key), "ok": ok, "detail": "" if ok else "x", "key": list(key),
+            "flagged": flagged, **({} if ok else {"effect": effect})}
+
+
+def test_undeclared_gaps_become_the_fields_that_describe_them() -> None:
+    """A dtype refused by every op, a dtype silently wrong for every op, an op refused alone, a collective refused
+    for everything, a flat all_gather output; a broadcast is named as something no field describes."""
+    rows = []
+    for op in ("SUM", "MAX", "AVG"):
+        rows += [_row(("reduce_scatter_tensor", op, "bfloat16"), False), _row(("reduce_scatter_tensor", op, "float32"), True)]
+        rows += [_row(("all_reduce", op, "float16"), False, "wrong"), _row(("all_reduce", op, "float32"), op != "MAX")]
+    rows += [_row(("all_to_all", None, dt), False) for dt in ("float32", "bfloat16")]
+    rows += [_row(("all_gather_into_tensor", gaps.SHAPE, "float32"), False), _row(("broadcast", None, "float32"), False)]
+    findings, explained, why = gaps.suggest(rows, None)
+    got = {(f.field, f.value) for f in findings}
+    assert got == {("unsupported_dtypes", ("reduce_scatter_tensor", torch.bfloat16)),
+                   ("wrong_dtypes", ("all_reduce", torch.float16)), ("unsupported_ops", dist.ReduceOp.MAX),
+                   ("unsupported_collectives", "all_to_all"), ("chunk_shaped_all_gather", True)}, got
+    assert "every op was silently wrong" in next(f.what for f in findings if f.field == "wrong_dtypes")
+    assert why == {("broadcast", None, "float32"): "the router cannot rewrite broadcast: the library must do it right"}
+    fits = gaps.declaration(None, findings)
+    assert fits.field_source("unsupported_ops") == "unsupported_ops=[dist.ReduceOp.MAX]"
+    assert fits.field_source("wrong_dtypes") == 'wrong_dtypes=[("all_reduce", torch.float16)]'
+
+
+def test_a_declared_gap_is_not_suggested_again_and_one_that_can_go_is_dropped() -> None:
+    declared = BackendGaps(unsupported_ops=[dist.ReduceOp.AVG, dist.ReduceOp.BXOR], chunk_shaped_all_gather=True)
+    rows = [_row(("all_reduce", "AVG", "bfloat16"), False, flagged=True), _row(("all_reduce", "SUM", "bfloat16"), False),
+            _row(("all_reduce", "AVG", "float32"), True, flagged=True), _row(("all_reduce", "SUM", "float32"), True)]
+    findings, explained, _ = gaps.suggest(rows, declared)
+    assert [(f.field, f.value) for f in findings] == [("unsupported_dtypes", ("all_reduce", torch.bfloat16))]
+    fits = gaps.declaration(declared, findings, drop=[("unsupported_ops", dist.ReduceOp.BXOR)])
+    assert fits.source() == ('BackendGaps(unsupported_ops=[dist.ReduceOp.AVG], unsupported_dtypes=[("all_reduce", '
+                             'torch.bfloat16)], chunk_shaped_all_gather=True)')
