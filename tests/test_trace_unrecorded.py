@@ -77,7 +77,7 @@ SPELLINGS = {"00": 0, "²": None, "+5": 5, " 7 ": 7, "-1": None, "٣": None}
 
 
 @pytest.mark.parametrize("raw", SPELLINGS)
-@pytest.mark.parametrize("hang", [None, "30"])
+@pytest.mark.parametrize("hang", [None, "30", "env"])  # env: PORTSPEED_HANG_TIMEOUT=30 set by hand, no option
 def test_launcher_and_ranks_read_portspeed_trace_alike(raw: str, hang: str | None, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture) -> None:
@@ -93,7 +93,10 @@ def test_launcher_and_ranks_read_portspeed_trace_alike(raw: str, hang: str | Non
     monkeypatch.setenv("PORTSPEED_TRACE", raw)
     monkeypatch.setenv("PORTSPEED_TRACE_DIR", str(tmp_path / "dumps"))
     monkeypatch.delenv("PORTSPEED_HANG_TIMEOUT", raising=False)
-    code = launch.main(["--adaptor", "none", *(["--hang-timeout", hang] if hang else []), "train.py"])
+    if hang == "env":
+        monkeypatch.setenv("PORTSPEED_HANG_TIMEOUT", "30")
+    option = ["--hang-timeout", hang] if hang and hang != "env" else []
+    code = launch.main(["--adaptor", "none", *option, "train.py"])
     err = capsys.readouterr().err.strip()
     entries = SPELLINGS[raw]
     if entries is None or (entries == 0 and hang):
@@ -105,7 +108,7 @@ def test_launcher_and_ranks_read_portspeed_trace_alike(raw: str, hang: str | Non
     rank = config.Settings.from_env(seen[0])  # what a worker's portspeed.config reads from that environment
     launcher_records = "flight-recorder dumps go to" in err
     assert rank.trace == entries and launcher_records == (entries > 0), (rank, err)
-    assert rank.hang_timeout == (float(hang) if hang else None)
+    assert rank.hang_timeout == (30.0 if hang else None)
 
 
 def test_a_real_rank_reads_what_the_launcher_read(tmp_path: Path) -> None:

@@ -79,7 +79,8 @@ def check(value: str | None) -> float | None:
     except ConfigError as exc:
         raise HangTimeoutError(str(exc)) from None
     if s.hang_timeout is not None and s.trace == 0:
-        raise HangTimeoutError(f"--hang-timeout needs the flight recorder, but {TRACE_ENV}={env[TRACE_ENV]!r} reads 0 "
+        asked = "--hang-timeout" if value is not None else f"{HANG_ENV}={env[HANG_ENV]!r}"
+        raise HangTimeoutError(f"{asked} needs the flight recorder, but {TRACE_ENV}={env[TRACE_ENV]!r} reads 0 "
                                f"entries (off); unset {TRACE_ENV} ({config.HANG_TRACE_ENTRIES} entries are used) or "
                                "give it a number of entries")
     if value is not None:
