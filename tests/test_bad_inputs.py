@@ -292,6 +292,54 @@ def test_compare_refuses_bad_files(files: dict, argv: list[str], words: list[str
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "r.md").exists()
 
 
+# ------------------------------------------------------------------ portspeed compare --probe
+def _probe_dump(root: Path, *, empty: bool = False, **over: object) -> None:
+    """A small probe dump (docs/probe-format.md): one output per micro-batch on each rank, ``over`` in its meta."""
+    from helpers.probe_dumps import RankDump, meta
+    m = meta(**{k: v for k, v in over.items() if k in ("tp", "dp", "dp_order", "dropout", "global_batch_size")})
+    m.update({k: v for k, v in over.items() if k in ("model", "releases", "version")})
+    for rank in range(m["world"]):
+        r = RankDump(m, rank=rank, tp=rank % m["layout"]["tp"], dp=rank // m["layout"]["tp"])
+        for j in range(0 if empty else m["micro_batches"]):
+            r.forward("decoder.layers.0.mlp", "MLP", [torch.ones(2, 3)], layer=0, mb=j)
+        r.write(root)
+
+
+_OTHER_MODEL = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": 32,
+                "vocab_size": 16, "num_moe_experts": None, "parameters": 1000}
+#: (the run's dump: meta fields or None for no folder, words); the reference is one rank of the same model
+PROBE = [
+    (dict(model=_OTHER_MODEL), ["the dumps are of different models (num_layers 4 vs 2)"]),
+    (dict(releases={"torch": "2.13.0", "megatron-core": "0.19.2"}),
+     ["different megatron-core releases (0.16.1 vs 0.19.2)"]),
+    (dict(version=2), ["probe format version 2, this portspeed reads version 1"]),
+    (dict(empty=True), ["an empty dump (1 dump.json file(s), no entry)"]),
+    (None, ["run: no such folder", "portspeed run --probe DIR"]),
+    (dict(tp=2, dropout=True), ["dropout is on in the run", "different layouts cannot be compared"]),
+    (dict(global_batch_size=8), ["different global batches (4 vs 8 samples)"]),
+    (dict(dp=2, dp_order="cyclic", global_batch_size=4),
+     ["nothing to compare", "the run's micro-batches cannot be matched (dp_order 'cyclic' with 2 data-parallel ranks)"]),
+]
+
+
+@pytest.mark.parametrize("run,words", PROBE, ids=[" ".join(f"{k}={v}" for k, v in (r or {"missing": 1}).items())[:40]
+                                                  for r, _ in PROBE])
+def test_compare_probe_refuses_dumps_it_cannot_compare(run: dict | None, words: list[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """Exit 2, one line naming what differs; no --json report written."""
+    monkeypatch.chdir(tmp_path)
+    _probe_dump(tmp_path / "ref")
+    if run is not None:
+        _probe_dump(tmp_path / "run", **run)
+    assert compare_cli.main(["--probe", "ref", "run", "--json", "r.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "r.json").exists()
+
+
 # ------------------------------------------------------------------ patch declarations
 def _noop(*a: object) -> None:
     return None

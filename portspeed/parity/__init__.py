@@ -1,4 +1,4 @@
-"""The loss-parity toolkit: loss records, tolerance bands, comparisons, run matrices, layer statistics.
+"""The loss-parity toolkit: loss records, tolerance bands, comparisons, run matrices, probe dumps compared.
 
 Layer: beside the engine, depending only on the foundation (``portspeed.errors``); it never
 imports torch at package import, a device adapter, a patch or a framework, so a
@@ -8,7 +8,11 @@ comparison can run anywhere the records can be read.
 - ``tolerance``      tolerance bands, first divergence, largest deviation.
 - ``compare``        `portspeed compare`.
 - ``runspec``        specs that launch a backend x layout matrix of runs.
-- ``layerstats``     per-layer activation/gradient statistics to localise a divergence.
+- ``probe_format``   reading probe dumps (``portspeed run --probe DIR``; docs/probe-format.md).
+- ``probe_layout``   a run's probe entries put on the reference's layout (split joined, copies kept apart).
+- ``probe_bands``    bands per statistic, scaled to the tensor, per dtype and kind of pair.
+- ``probe_compare``  `portspeed compare --probe REF RUN`: the first divergence in one line.
+- ``layerstats``     retired: its names say what replaced them (probe dumps).
 - ``plot``           loss curves (matplotlib, optional).
 - ``pytest_plugin``  the ``pytest11`` entry point: loss-parity fixtures.
 """
@@ -24,6 +28,8 @@ _PUBLIC = {
     "tolerance_for": ".tolerance",
     "LossRecord": ".losslog",
     "read_record": ".losslog",
+    "read_dump": ".probe_format",
+    "compare_dumps": ".probe_compare",
 }
 __all__ = sorted(_PUBLIC)
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -4,7 +4,8 @@
                       [--metric lm_loss|grad_norm] [--iterations FIRST:LAST]
                       [--plot out.png] [--json out.json] [--markdown out.md]
     portspeed compare SPEC.json [--workdir DIR]           # launch the runs a spec lists, then compare
-    portspeed compare --layers A.json B.json               # first layer whose statistics differ
+    portspeed compare --probe REF_DIR RUN_DIR [--iterations A:B] [--rtol X] [--json out.json]
+                                                           # where two probed runs part (probe_compare)
 
 The first RUN is the reference. Exit status: 0 every run within tolerance, 1 some run
 outside it, 2 bad input (missing file, unknown format, no loss lines, mismatched iteration
@@ -57,10 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print at most about N table rows (always keeps the first divergence); 0 = all")
     p.add_argument("--workdir", metavar="DIR", default="portspeed-runs",
                    help="where spec-launched runs write records and logs (default ./portspeed-runs)")
-    p.add_argument("--layers", action="store_true",
-                   help="the two RUNs are layer-statistics files from portspeed.parity.layerstats; name the first "
-                        "layer whose statistics differ")
+    p.add_argument("--probe", action="store_true",
+                   help="the two RUNs are probe dump folders (`portspeed run --probe DIR`): name the first module "
+                        "whose output, gradient or parameter leaves its band (--rtol sets every band)")
+    p.add_argument("--layers", action="store_true", help="replaced by --probe (docs/accuracy.md)")
     return p
+
+
+#: options of the loss comparison that mean nothing to --probe
+_NOT_WITH_PROBE = ("atol", "dtype", "metric", "plot", "markdown")
 
 
 def _nonneg(s: str) -> float:
@@ -238,10 +244,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # argparse already printed the usage error
         return EXIT_BAD_INPUT if e.code else EXIT_OK
+    if args.layers:
+        from portspeed.parity.layerstats import REPLACED_BY
+        print(f"portspeed compare: error: {REPLACED_BY}", file=err)
+        return EXIT_BAD_INPUT
+    if args.probe:
+        return _main_probe(args, out, err)
     try:
-        if args.layers:
-            from portspeed.parity.layerstats import main_compare_layers
-            return main_compare_layers(args.runs, args.atol, args.rtol, out)
         records = _load_inputs(args.runs, args.workdir, err)
         if len(records) < 2:
             raise PortspeedError(
@@ -269,6 +278,22 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         except PlotUnavailableError as e:
             print(f"portspeed compare: note: {e}; the comparison above still decides the exit status", file=err)
     return code
+
+
+def _main_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    given = [f"--{o}" for o in _NOT_WITH_PROBE if getattr(args, o) not in (None, False)]
+    if given:
+        print(f"portspeed compare: error: {' '.join(given)} compare losses, not probe dumps; --probe takes "
+              "--iterations, --rtol (every statistic's band, relative to the tensor's scale) and --json", file=err)
+        return EXIT_BAD_INPUT
+    from portspeed.parity.probe_compare import main_probe  # only --probe users pay for it
+    try:
+        return main_probe(args.runs, out, args.iterations, args.rtol, args.json)
+    except PortspeedError as e:
+        print(f"portspeed compare: error: {e}", file=err)
+    except OSError as e:
+        print(f"portspeed compare: error: cannot write report: {e}", file=err)
+    return EXIT_BAD_INPUT
 
 
 def _write(path: str, text: str) -> None:
