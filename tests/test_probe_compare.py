@@ -373,6 +373,30 @@ def test_exit_codes_through_portspeed_compare(tp1: Path, tmp_path: Path) -> None
     assert probe(tp1, bad, "--rtol", "1e-2")[0] == 0  # every band widened to 1e-2
 
 
+def test_a_parity_failure_in_pytest_carries_the_first_divergence_line(tp1: Path, tmp_path: Path) -> None:
+    """assert_losses_match (the pytest plugin): when both runs were probed, a loss failure starts with the first
+    divergence line; probes=True fails on probes that part while the losses agree; one probed run is said."""
+    from portspeed.parity.losslog import IterationLoss, LossRecord
+    from portspeed.parity.pytest_plugin import _check
+
+    def rec(losses: list[float], probe: Path | None) -> LossRecord:
+        r = LossRecord([IterationLoss(i, v, 1.0) for i, v in enumerate(losses, 1)], {"dtype": "fp32"})
+        if probe is not None:
+            r.probe_dir = str(probe)
+        return r
+    bad = record(tmp_path / "bad", tp=2, tweak=off_by(1e-3, lambda k, r: k == ("forward", 0, 1, 2) and r == 1))
+    with pytest.raises(AssertionError) as e:
+        _check(rec([5.0, 4.0], bad), rec([5.0, 4.1], tp1), None, None, None, "lm_loss", "the expected run")
+    msg = str(e.value).splitlines()
+    assert msg[0].startswith(f"first divergence: iteration 1, micro-batch 0, forward, {fc(1, 2)}, rank 1: ")
+    assert msg[1] == "losses do not match the expected run:"
+    _check(rec([5.0, 4.0], bad), rec([5.0, 4.0], tp1), None, None, None, "lm_loss", "x")  # losses agree: passes
+    with pytest.raises(AssertionError, match="losses match x, the probes do not:\nfirst divergence: "):
+        _check(rec([5.0, 4.0], bad), rec([5.0, 4.0], tp1), None, None, None, "lm_loss", "x", probes=True)
+    with pytest.raises(AssertionError, match="probe: only the expected run was probed"):
+        _check(rec([5.0, 4.0], None), rec([5.0, 4.1], tp1), None, None, None, "lm_loss", "x")
+
+
 def test_probe_errors_are_one_line(tmp_path: Path) -> None:
     """The reader's refusals: a file, an empty folder, a non-probe folder, a torn dump.json."""
     (tmp_path / "f").write_text("x")

@@ -2,18 +2,23 @@
 
 Fixtures:
 
-``portspeed_launch(script, *args, nproc=2, timeout=None, env=None, name=None, adaptor=None) -> LossRecord``
+``portspeed_launch(script, *args, nproc=2, timeout=None, env=None, name=None, adaptor=None, probe=None) -> LossRecord``
     Runs ``script`` under ``torch.distributed.run`` with ``nproc`` ranks on 127.0.0.1 and a
     free port (``nproc=None``: one plain process; ``adaptor="megatron"`` etc.: through
     ``portspeed run --adaptor``, so an unmodified script gets the adaptor in every worker), ``OMP_NUM_THREADS=1``, killed after
     ``timeout`` seconds (default: PORTSPEED_TIMEOUT, 300). The script writes its loss record
     to ``PORTSPEED_LOSS_LOG`` (also substituted for ``{record}`` in ``args``) or prints
     Megatron iteration lines (literal braces in ``args`` are written ``{{ }}``). Logs are kept under pytest's temporary directory; a failed or
-    hung run fails the test with the log's last lines and its path.
+    hung run fails the test with the log's last lines and its path. ``probe=True`` (a fresh folder)
+    or ``probe=DIR`` records a probe dump (``PORTSPEED_PROBE_DIR``; also read from ``env``); the
+    returned record remembers where (``probe_dir``).
 
-``assert_losses_match(actual, expected, *, atol=None, rtol=None, dtype=None, metric="lm_loss")``
+``assert_losses_match(actual, expected, *, atol=None, rtol=None, dtype=None, metric="lm_loss", probes=None)``
     Records or paths; fails with the comparison table when any iteration leaves the band
-    (defaults from the dtype, as `portspeed compare`).
+    (defaults from the dtype, as `portspeed compare`). Where both runs were probed (``probe_dir``
+    of a launched record, or ``meta["probe_dir"]``), the failure starts with `compare --probe`'s
+    first-divergence line; ``probes=True`` also fails when the losses agree but the probes do not
+    (a wrong shard can move the loss by less than its band).
 
 ``loss_golden(record, path, **tolerance)``
     Compares ``record`` to a golden file (relative paths are relative to the test file;
@@ -34,7 +39,7 @@ if TYPE_CHECKING:  # keep pytest start-up free of portspeed's heavier modules
     from portspeed.parity.losslog import LossRecord
     from portspeed.parity.tolerance import Comparison
 
-__all__ = ["portspeed_launch", "assert_losses_match", "loss_golden"]
+__all__ = ["portspeed_launch", "assert_losses_match", "loss_golden", "probe_dir"]
 
 _UPDATED = pytest.StashKey[list]()
 
@@ -63,7 +68,7 @@ def _as_record(x: "LossRecord | str | os.PathLike[str]") -> "LossRecord":
 
 
 def _check(actual: Any, expected: Any, atol: float | None, rtol: float | None, dtype: str | None,
-           metric: str, what: str) -> "Comparison":
+           metric: str, what: str, probes: bool | None = None) -> "Comparison":
     __tracebackhide__ = True
     from portspeed.parity.compare import format_table
     from portspeed.parity.tolerance import compare, pick_tolerance
@@ -71,8 +76,39 @@ def _check(actual: Any, expected: Any, atol: float | None, rtol: float | None, d
     tol, origin = pick_tolerance([exp, act], dtype, atol, rtol)
     result = compare(exp, act, tol, metric)
     if not result.ok:
-        raise AssertionError(f"losses do not match {what}:\n" + format_table([result], tol, origin, limit=40))
+        line = _probe_line(exp, act)
+        raise AssertionError((f"{line[1]}\n" if line else "") + f"losses do not match {what}:\n"
+                             + format_table([result], tol, origin, limit=40))
+    if probes:
+        line = _probe_line(exp, act)
+        if line is None:
+            raise AssertionError("assert_losses_match(probes=True): neither run was probed; launch them with "
+                                 "portspeed_launch(..., probe=True)")
+        if not line[0]:
+            raise AssertionError(f"losses match {what}, the probes do not:\n{line[1]}")
     return result
+
+
+def probe_dir(record: "LossRecord") -> str | None:
+    """Where a run's probe dump is: set by portspeed_launch, or the record's ``meta["probe_dir"]``."""
+    return getattr(record, "probe_dir", None) or record.meta.get("probe_dir")
+
+
+def _probe_line(exp: "LossRecord", act: "LossRecord") -> tuple[bool, str] | None:
+    """(the probes agree, the first line of `compare --probe`), or None when neither run was probed."""
+    a, b = probe_dir(exp), probe_dir(act)
+    if not (a or b):
+        return None
+    if not (a and b):
+        return False, (f"probe: only the {'expected' if a else 'actual'} run was probed ({a or b}); probe both to "
+                       "name where they part")
+    from portspeed.errors import PortspeedError
+    from portspeed.parity.probe_compare import compare_dumps, first_line
+    try:
+        report = compare_dumps(a, b)
+    except PortspeedError as e:
+        return False, f"probe: the dumps cannot be compared: {e}"
+    return report.exit_code == 0, first_line(report)
 
 
 @pytest.fixture
@@ -80,9 +116,9 @@ def assert_losses_match() -> Callable[..., "Comparison"]:
     """A function asserting that a run's losses match an expected record within tolerance."""
 
     def check(actual: Any, expected: Any, *, atol: float | None = None, rtol: float | None = None,
-              dtype: str | None = None, metric: str = "lm_loss") -> "Comparison":
+              dtype: str | None = None, metric: str = "lm_loss", probes: bool | None = None) -> "Comparison":
         __tracebackhide__ = True
-        return _check(actual, expected, atol, rtol, dtype, metric, "the expected run")
+        return _check(actual, expected, atol, rtol, dtype, metric, "the expected run", probes)
 
     return check
 
@@ -132,7 +168,7 @@ def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
 
     def launch(script: str | os.PathLike[str], *args: Any, nproc: int | None = 2, timeout: float | None = None,
                env: Mapping[str, str] | None = None, name: str | None = None,
-               adaptor: str | None = None) -> "LossRecord":
+               adaptor: str | None = None, probe: bool | str | os.PathLike[str] | None = None) -> "LossRecord":
         __tracebackhide__ = True
         from portspeed.parity.runspec import RunFailedError, RunSpec, run_one
         if nproc is not None and (isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1):
@@ -153,11 +189,16 @@ def portspeed_launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., 
         cmd += [str(a) for a in args]
         full_env = {"OMP_NUM_THREADS": "1", **dict(env or {})}
         workdir = tmp_path_factory.mktemp("portspeed-launch", numbered=True)
+        if probe:
+            full_env["PORTSPEED_PROBE_DIR"] = str(workdir / "probe" if probe is True else Path(probe).resolve())
         run = RunSpec(run_name, cmd, full_env, {}, float(timeout or default_timeout), None, None)
         try:
-            return run_one(run, workdir)
+            rec = run_one(run, workdir)
         except RunFailedError as e:
             pytest.fail(f"portspeed_launch: {e}\n(logs kept in {workdir})", pytrace=False)
+        if full_env.get("PORTSPEED_PROBE_DIR"):
+            rec.probe_dir = full_env["PORTSPEED_PROBE_DIR"]  # type: ignore[union-attr]  (not in the record's JSON)
+        return rec
 
     return launch
 
