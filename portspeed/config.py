@@ -17,6 +17,14 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 | PORTSPEED_HANG_TIMEOUT | seconds (positive number; `portspeed run --hang-timeout S` sets it for the workers) | how long no rank may complete a recorded call before `portspeed run` dumps and ends the job; it turns recording on, and the ranks keep heartbeat files for the launcher (``portspeed.cli.hang_watch``) |
 | PORTSPEED_TRACE_DIR | a writable folder (created if missing) | where each rank writes its trace dump; unset: a new folder under the system's temporary directory, named in one log line |
 | PORTSPEED_TRACE_ON_EXIT | 0/1 (default 0) | every rank dumps its trace buffer when it exits normally too |
+| PORTSPEED_PROBE_DIR | a writable folder holding no probe dump (created if missing) | record module (or op) statistics into it in msprobe's layout (``portspeed.probe``; docs/probe-format.md); unset: no probe, no hook. `portspeed run --probe DIR` sets it and the variables below |
+| PORTSPEED_PROBE_ITERATIONS | `A:B` or `A` (1-based, default `1:1`) | the training iterations recorded |
+| PORTSPEED_PROBE_LEVEL | `module` (default) or `op` | modules' outputs, gradients and parameters; `op` adds every torch function and collective inside them |
+| PORTSPEED_PROBE_RANKS | comma-separated global ranks (default: all) | the ranks that record |
+| PORTSPEED_PROBE_MODULES | a glob over canonical module paths (`decoder.layers.1*`) | the modules recorded (default: all) |
+| PORTSPEED_PROBE_TENSORS | a glob over entry keys (`Module.decoder.layers.1.*`) | also save those entries' full tensors, inputs included |
+| PORTSPEED_PROBE_INPUTS | 0/1 (default 0) | also record modules' inputs |
+| PORTSPEED_PROBE_NAN | 0/1 (default 0) | on every iteration, find the first module (op) whose output or gradient turned non-finite; write that iteration's dump and stop the job |
 | PORTSPEED_LOSS_LOG | file path | where a training script writes its JSON loss record (`portspeed.megatron_adaptor.open_loss_log`, used by examples/pretrain_gpt.py; the stock scripts print losses instead, which `portspeed compare` parses) |
 """
 
@@ -34,7 +42,8 @@ from portspeed.errors import ConfigError
 
 __all__ = ["Settings", "settings", "reload", "parse_accelerator", "parse_bool", "parse_names", "parse_te_kernels",
            "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV", "parse_seconds", "TRACE_ENV",
-           "TRACE_DIR_ENV", "TRACE_ON_EXIT_ENV", "HANG_TIMEOUT_ENV", "HANG_TRACE_ENTRIES"]
+           "TRACE_DIR_ENV", "TRACE_ON_EXIT_ENV", "HANG_TIMEOUT_ENV", "HANG_TRACE_ENTRIES", "PROBE_ENV",
+           "PROBE_LEVELS", "parse_probe_iterations", "check_probe_dir"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -213,6 +222,72 @@ def _trace_settings(env: Mapping[str, str]) -> dict:
     return kw
 
 
+#: the probe's settings (``portspeed.probe``), read here and nowhere else: field -> variable
+PROBE_ENV = {"dir": "PORTSPEED_PROBE_DIR", "iterations": "PORTSPEED_PROBE_ITERATIONS", "level": "PORTSPEED_PROBE_LEVEL",
+             "ranks": "PORTSPEED_PROBE_RANKS", "modules": "PORTSPEED_PROBE_MODULES",
+             "tensors": "PORTSPEED_PROBE_TENSORS", "inputs": "PORTSPEED_PROBE_INPUTS", "nan": "PORTSPEED_PROBE_NAN"}
+PROBE_LEVELS = ("module", "op")
+
+
+def parse_probe_iterations(name: str, value: str) -> tuple[int, int]:
+    """``A:B`` (or ``A``), 1-based, A <= B, in ASCII digits; ConfigError naming ``name`` (a variable or an option)."""
+    a, colon, b = value.strip().partition(":")
+    if not colon:
+        b = a
+    if _COUNT.fullmatch(a.strip()) and _COUNT.fullmatch(b.strip()) and 1 <= int(a) <= int(b) < 10**9:
+        return int(a), int(b)
+    shown = f"{name} {value!r}" if name.startswith("-") else f"{name}={value!r}"
+    raise ConfigError(f"{shown} is not a range of iterations; give A:B with 1 <= A <= B (training iterations, "
+                      "1-based, as Megatron prints them), e.g. 3:5, or one iteration, e.g. 3")
+
+
+def check_probe_dir(name: str, folder: str) -> str:
+    """The absolute folder, or ConfigError when it (or the nearest existing folder above it) cannot be written."""
+    path = os.path.abspath(folder)
+    above = path
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)  # the nearest existing ancestor is where the folder gets created
+    if not os.path.isdir(above) or not os.access(above, os.W_OK | os.X_OK):
+        shown = f"{name} {folder!r}" if name.startswith("-") else f"{name}={folder!r}"
+        raise ConfigError(f"{shown} is not a writable folder ({above!r} is "
+                          f"{'not a folder' if not os.path.isdir(above) else 'not writable'}); give a folder this "
+                          "user can write")
+    return path
+
+
+def _probe_settings(env: Mapping[str, str]) -> dict:
+    """PORTSPEED_PROBE_*, or ConfigError naming the bad one; any of them without PORTSPEED_PROBE_DIR is refused."""
+    given = {f: env[v].strip() for f, v in PROBE_ENV.items() if env.get(v, "").strip()}
+    if not given:
+        return {}
+    if "dir" not in given:
+        other = PROBE_ENV[next(iter(given))]
+        raise ConfigError(f"{other} is set but PORTSPEED_PROBE_DIR is not; give the folder the probe writes "
+                          "(portspeed run --probe DIR), or unset it")
+    kw: dict = {"probe_dir": check_probe_dir(PROBE_ENV["dir"], given["dir"])}
+    if "iterations" in given:
+        kw["probe_iterations"] = parse_probe_iterations(PROBE_ENV["iterations"], given["iterations"])
+    if "level" in given:
+        if given["level"].lower() not in PROBE_LEVELS:
+            raise ConfigError(f"{PROBE_ENV['level']}={given['level']!r} is not a probe level; use module (every "
+                              "module's outputs, gradients, parameters) or op (also every torch function and "
+                              "collective inside them)")
+        kw["probe_level"] = given["level"].lower()
+    if "ranks" in given:
+        parts = [p.strip() for p in given["ranks"].split(",") if p.strip()]
+        if not parts or not all(_COUNT.fullmatch(p) for p in parts):
+            raise ConfigError(f"{PROBE_ENV['ranks']}={given['ranks']!r} is not a list of ranks; give global ranks "
+                              "in ASCII digits separated by commas, e.g. 0,3")
+        kw["probe_ranks"] = tuple(sorted({int(p) for p in parts}))
+    for field in ("modules", "tensors"):
+        if field in given:
+            kw[f"probe_{field}"] = given[field]
+    for field in ("inputs", "nan"):
+        if field in given:
+            kw[f"probe_{field}"] = parse_bool(PROBE_ENV[field], given[field])
+    return kw
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The validated PORTSPEED_* environment."""
@@ -230,6 +305,15 @@ class Settings:
     trace_dir: str | None = None
     trace_on_exit: bool = False
     hang_timeout: float | None = None
+    #: the probe (portspeed.probe): None = off
+    probe_dir: str | None = None
+    probe_iterations: tuple[int, int] = (1, 1)
+    probe_level: str = "module"
+    probe_ranks: tuple[int, ...] | None = None
+    probe_modules: str | None = None
+    probe_tensors: str | None = None
+    probe_inputs: bool = False
+    probe_nan: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -269,6 +353,7 @@ class Settings:
         if te_kernels:
             kw["te_kernels"] = parse_te_kernels(te_kernels)
         kw.update(_trace_settings(env))
+        kw.update(_probe_settings(env))
         loss_log = env.get("PORTSPEED_LOSS_LOG", "").strip()
         if loss_log:
             kw["loss_log"] = loss_log

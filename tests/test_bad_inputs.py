@@ -70,6 +70,16 @@ SETTINGS = [
     ({"PORTSPEED_TRACE_DIR": "/etc/passwd/dumps"}, ConfigError, ["PORTSPEED_TRACE_DIR='/etc/passwd/dumps'",
                                                                  "not a writable folder"]),
     ({"PORTSPEED_TRACE_ON_EXIT": "maybe"}, ConfigError, ["PORTSPEED_TRACE_ON_EXIT='maybe'", "1/0, true/false"]),
+    ({"PORTSPEED_PROBE_DIR": "/tmp", "PORTSPEED_PROBE_LEVEL": "deep"}, ConfigError,
+     ["PORTSPEED_PROBE_LEVEL='deep' is not a probe level", "module", "op"]),
+    ({"PORTSPEED_PROBE_DIR": "/tmp", "PORTSPEED_PROBE_ITERATIONS": "5:2"}, ConfigError,
+     ["PORTSPEED_PROBE_ITERATIONS='5:2' is not a range of iterations", "A:B"]),
+    ({"PORTSPEED_PROBE_DIR": "/tmp", "PORTSPEED_PROBE_RANKS": "zero"}, ConfigError,
+     ["PORTSPEED_PROBE_RANKS='zero' is not a list of ranks"]),
+    ({"PORTSPEED_PROBE_DIR": "/etc/passwd/probe"}, ConfigError, ["PORTSPEED_PROBE_DIR='/etc/passwd/probe'",
+                                                                 "not a writable folder"]),
+    ({"PORTSPEED_PROBE_NAN": "1"}, ConfigError, ["PORTSPEED_PROBE_NAN is set but PORTSPEED_PROBE_DIR is not"]),
+    ({"PORTSPEED_PROBE_ITERATION": "1:2"}, ConfigError, ["did you mean PORTSPEED_PROBE_ITERATIONS"]),
 ]
 
 
@@ -151,6 +161,40 @@ def test_portspeed_run_refuses_before_spawning(argv: list[str], env: dict, words
                                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
                                                no_spawn: list) -> None:
     _refused_by_run(argv, env, monkeypatch, capsys, no_spawn, words)
+
+
+#: `portspeed run --probe` lines refused before any worker starts, the probe folder ("dump") never made
+PROBE_LINES = [
+    (["--probe", "dump", "--probe-level", "deep", "train.py"], ["--probe-level 'deep' is not a probe level"]),
+    (["--probe", "dump", "--probe-iterations", "2-4", "train.py"],
+     ["--probe-iterations '2-4' is not a range of iterations", "A:B"]),
+    (["--probe", "dump", "--probe-iterations", "0:3", "train.py"], ["--probe-iterations '0:3' is not a range"]),
+    (["--nproc-per-node", "2", "--probe", "dump", "--probe-ranks", "0,2", "train.py"],
+     ["--probe-ranks '0,2': rank 2 is not in this job's ranks 0..1"]),
+    (["--probe-nan", "train.py"], ["--probe-nan needs --probe DIR"]),
+    (["--probe", "train.py/dump", "train.py"], ["--probe 'train.py/dump' is not a writable folder"]),
+    # a folder no one can make, root included (root passes the permission check everywhere)
+    (["--probe", "/proc/portspeed-probe", "train.py"], ["--probe '/proc/portspeed-probe' is not a writable folder"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", PROBE_LINES, ids=[" ".join(r[0]) for r in PROBE_LINES])
+def test_probe_line_refused_before_spawning(argv: list[str], words: list[str], script: Path,
+                                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                            no_spawn: list) -> None:
+    _refused_by_run(argv, {}, monkeypatch, capsys, no_spawn, words)
+    assert not (script / "dump").exists() and not Path("/proc/portspeed-probe").exists()
+
+
+def test_probe_folder_holding_a_dump_is_refused_and_kept(script: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture, no_spawn: list) -> None:
+    """An earlier run's dump is never overwritten: `portspeed run --probe DIR` names it and starts nothing."""
+    old = script / "dump" / "step1" / "rank1" / "dump.json"
+    old.parent.mkdir(parents=True)
+    old.write_text('{"data": {}}')
+    _refused_by_run(["--probe", "dump", "train.py"], {}, monkeypatch, capsys, no_spawn,
+                    ["--probe 'dump' already holds a probe dump", "step1/rank1/dump.json", "remove it or choose"])
+    assert old.read_text() == '{"data": {}}'
 
 
 #: `portspeed conformance --adapter X` and `portspeed info --adapter X`: (X, words)

@@ -23,6 +23,13 @@ records nothing is named with the reason and ends the job as a hang would
 to ``PORTSPEED_TRACE_DIR`` or a new folder under the temporary directory, named in one line,
 and a run whose dumps show a cause ends with that answer (docs/reliability.md, "When it hangs").
 
+``--probe DIR`` (with ``--probe-iterations A:B``, ``--probe-level module|op``, ``--probe-ranks R,...``,
+``--probe-modules GLOB``, ``--probe-tensors GLOB``, ``--probe-nan``, ``--probe-inputs``)  records module
+(or op) statistics of the chosen iterations into DIR with no edit to the script
+(``portspeed.probe``, docs/probe-format.md), through the ``PORTSPEED_PROBE_*`` variables it sets for the
+workers; a bad switch, an unwritable DIR or a DIR that already holds a dump is refused before any
+worker starts (``portspeed.cli.probe_options``).
+
 Limits: ``--no-python`` (the script is an executable, so no Python runs before it) and
 ``--run-path`` (torchrun runs the script inside its own process) are refused with a
 message saying what to use instead. Everything else, elastic options included, is
@@ -41,7 +48,7 @@ import importlib.util
 import os
 import sys
 
-from portspeed.cli import failures, hang_watch
+from portspeed.cli import failures, hang_watch, probe_options
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 
@@ -81,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without any rank completing a collective or point-to-point call before every rank dumps its "
         "flight recorder, the job is ended and `portspeed why-hung` names the cause",
     )
+    probe_options.add_arguments(parser)
     return parser
 
 
@@ -189,6 +197,13 @@ def _preflight(args: argparse.Namespace, adaptor_module: str | None) -> None:
                                    layout.get("cp", 1))
 
 
+def _world_size(args: argparse.Namespace) -> int | None:
+    """nnodes x nproc-per-node when both are fixed numbers (an elastic range fixes none)."""
+    nproc = str(args.nproc_per_node).strip()
+    lo, _, hi = str(args.nnodes).strip().partition(":")
+    return int(nproc) * int(lo) if nproc.isdigit() and lo.isdigit() and hi in ("", lo) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``portspeed run``; returns the exit status (0, 1 worker failure, 2 usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -203,12 +218,18 @@ def main(argv: list[str] | None = None) -> int:
         if adaptor_module is not None:
             _check_adaptor_importable(adaptor_module)
         _preflight(args, adaptor_module)
+        probe = probe_options.environment(args, _world_size(args))
     except PortspeedError as exc:  # LaunchError, and bad PORTSPEED_* settings, devices or layouts
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
     try:
         hang_s = hang_watch.check(args.hang_timeout)
         folder = hang_watch.prepare(hang_s)
+    except PortspeedError as exc:
+        print(f"portspeed run: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        probe_options.export(probe)  # the probe folder is made last: a refused command line creates nothing
     except PortspeedError as exc:
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2

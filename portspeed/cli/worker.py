@@ -69,11 +69,11 @@ def _import_adaptor(name: str | None) -> None:
 
 
 def _record_from_launch(adaptor: str) -> None:
-    """Recording on: run the adaptor's set-up now (it installs the recording patches) rather than at the
-    framework's first import, which a plain torch script never makes."""
+    """Recording or probing on: run the adaptor's set-up now (it installs the recording and probe patches)
+    rather than at the framework's first import, which a plain torch script never makes."""
     from portspeed import config
 
-    if config.settings().trace > 0 and adaptor != "none":
+    if (config.settings().trace > 0 or config.settings().probe_dir) and adaptor != "none":
         from portspeed.integrations.activation import activate_waiting
 
         activate_waiting()

@@ -50,11 +50,12 @@ log = logging.getLogger("portspeed.megatron")
 __getattr__, __dir__ = lazy_exports(__name__, {"note_fallback": "portspeed.patches.megatron.core_common"})
 
 def megatron_patches() -> list[Patch]:
-    """torch_cuda + router + Megatron patches, in registration order."""
-    from portspeed.patches import torch_cuda, torch_distributed
+    """torch_cuda + router + Megatron patches (+ the probe's when PORTSPEED_PROBE_DIR is set), in registration
+    order."""
+    from portspeed.patches import probe, torch_cuda, torch_distributed
     from portspeed.patches.megatron import all_patches
 
-    return [*torch_cuda.PATCHES, *torch_distributed.PATCHES, *all_patches()]
+    return [*torch_cuda.PATCHES, *torch_distributed.PATCHES, *all_patches(), *probe.for_megatron()]
 
 
 class _UnlessRootHandles(logging.StreamHandler):

@@ -30,6 +30,8 @@ PATCH_SETS: dict[str, tuple[str, str]] = {
     "megatron": ("portspeed.patches.megatron", "all_patches"),
     "deepspeed": ("portspeed.patches.deepspeed", "PATCHES"),
     "hf_accelerate": ("portspeed.patches.hf_accelerate", "PATCHES"),
+    # declared only when PORTSPEED_PROBE_DIR is set (probing off: an empty set, nothing installed)
+    "probe": ("portspeed.patches.probe", "all_patches"),
 }
 
 

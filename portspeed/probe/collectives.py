@@ -1,0 +1,182 @@
+"""Op-level recording of collectives and point-to-point calls, through portspeed's own wrappers.
+
+Why wrappers: ``torch.distributed.all_reduce`` is not a torch function, so the op-level mode
+(``portspeed.probe.ops``) never sees it, and a dispatch mode would not see a Python
+``ProcessGroup`` backend (the stand-in CCL) either. ``patches/probe.py`` puts ``recorded(name)``
+in front of each of ``torch.distributed``'s functions when op-level probing is configured (and
+only then); the wrapper does nothing but call through unless an iteration is being recorded.
+
+Each call becomes ``Distributed.<name>.<c>.forward``: ``input_args`` / ``input_kwargs`` with every
+tensor's statistics before the call (the group as its ranks, the reduce op by name), ``output``
+with the statistics of every tensor argument after it (what the collective wrote): at once for a
+blocking call, at ``wait()`` for ``async_op=True`` (the caller gets a ``ProbedWork`` whose
+``wait()`` waits on the real work, then records). Nothing else is changed: the same call, the
+same arguments, the same order. A call made inside a recorded one (torch 2.13's old names
+delegate to the new ones) is passed straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProbedWork", "RECORDED", "recorded", "set_target"]
+
+#: the functions wrapped (those present in the running torch)
+RECORDED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+            "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+            "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+#: the iteration being recorded: an object with ``collective(name, args, kwargs) -> finish(result)``; None: off
+_target: list[Any] = [None]
+_busy = [False]
+
+
+def set_target(target: Any) -> None:
+    """Start (an iteration's recorder) or stop (None) recording collectives."""
+    _target[0] = target
+
+
+class ProbedWork(dist.Work):
+    """The handle of a recorded ``async_op=True`` call: ``wait()`` waits on the real one, then records."""
+
+    def __init__(self, inner: Any, finish: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner, self._finish, self._done = inner, finish, False
+
+    def wait(self, timeout: Any = None) -> bool:
+        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        if not self._done:
+            self._done = True
+            self._finish()
+        return ok
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._inner.result()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._inner.get_future()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+
+def recorded(name: str) -> Callable[[Callable], Callable]:
+    """A factory ``make(original) -> wrapper`` (``style="function"``) recording ``name`` while a target is set."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            target = _target[0]
+            if target is None or _busy[0]:
+                return original(*args, **kwargs)
+            _busy[0] = True
+            try:
+                finish = target.collective(name, args, kwargs)
+                out = original(*args, **kwargs)
+            finally:
+                _busy[0] = False
+            if finish is None:
+                return out
+            if name == "batch_isend_irecv":
+                works = list(out or [])
+                if not works:
+                    finish()
+                    return out
+                return [ProbedWork(w, finish if i == len(works) - 1 else (lambda: None)) for i, w in enumerate(works)]
+            if out is not None and isinstance(out, dist.Work):
+                return ProbedWork(out, finish)
+            finish()
+            return out
+
+        return wrapper
+
+    make.__name__ = make.__qualname__ = f"probe_{name}"
+    return make
+
+
+class CollectiveRecorder:
+    """One iteration's ``Distributed.*`` entries (the target ``set_target`` takes)."""
+
+    def __init__(self, record: Any, innermost: Callable[[], Any], ops: Any, parallel: Any) -> None:
+        self.record, self.innermost, self.ops, self.parallel = record, innermost, ops, parallel
+        self.counts: dict[str, int] = {}
+        self.parents: dict[str, str | None] = {}
+
+    def collective(self, name: str, args: tuple, kwargs: dict) -> Callable[[], None] | None:
+        """Queue the inputs' statistics now; the function that records the outputs (at once or at wait())."""
+        import torch
+
+        from portspeed.probe.entries import encode
+
+        rec = self.record
+        if torch._C._current_graph_task_id() != -1 or not rec.full:
+            return None
+        c = self.counts.get(name, 0)
+        self.counts[name] = c + 1
+        key = f"Distributed.{name}.{c}.forward"
+        save = rec.saves(key)
+        tensors = _tensors(args) + _tensors(tuple(kwargs.values()))
+
+        def arg(v: Any, field: str, i: int) -> Any:
+            if isinstance(v, torch.Tensor):
+                return rec.tensor(v, key, field, i, None, save)
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                return [arg(x, f"{field}.{i}", j) for j, x in enumerate(v)]
+            if type(v).__name__ == "P2POp":
+                return {"class_type": "torch.distributed.P2POp", "tensor": rec.tensor(v.tensor, key, field, i, None, save),
+                        "op": getattr(v.op, "__name__", str(v.op)), "peer": v.peer, "group": encode(v.group)}
+            return encode(v)
+
+        where = self.innermost()
+        entry: dict[str, Any] = {"ps_micro_batch": rec.micro_batch, "ps_chunk": rec.chunk, "ps_phase": "forward",
+                                 "ps_op": name, "ps_op_index": -1, "ps_call": -1, "ps_module": None, "ps_class": None,
+                                 "ps_local_path": None, "ps_layer": -1,
+                                 "input_args": [arg(a, "input_args", i) for i, a in enumerate(args)],
+                                 "input_kwargs": {k: arg(v, f"input_kwargs.{k}", 0) for k, v in kwargs.items()}}
+        if where is not None:
+            info, call = where
+            entry.update(ps_module=info.path, ps_class=info.cls, ps_local_path=info.local_path, ps_call=call,
+                         ps_layer=info.layer if info.layer is not None else -1)
+            self.parents[key] = f"Module.{info.path}.{info.cls}.forward.{call}"
+            if self.ops is not None:
+                entry["ps_op_index"] = self.ops.next_index(where)
+                self.ops.mark_reduced()
+        else:
+            self.parents[key] = None
+        rec.add(key, entry)
+
+        def finish() -> None:
+            entry["output"] = [rec.tensor(t, key, "output", i, None, save) for i, t in enumerate(tensors)]
+
+        return finish
+
+
+def _tensors(values: tuple) -> list:
+    import torch
+
+    out: list = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(_tensors(tuple(v)))
+        elif type(v).__name__ == "P2POp":
+            out.append(v.tensor)
+    return out

@@ -1,0 +1,169 @@
+"""Op-level recording (``--probe-level op``): every torch function called inside a module's forward.
+
+Why a ``TorchFunctionMode``: it sees every call into torch's Python API (``torch.*``,
+``torch.nn.functional.*``, ``Tensor`` methods) without wrapping any of them, on every device, and
+it is pushed for the forward/backward of a probed iteration only. Each call becomes
+``<Family>.<name>.<c>.forward`` (msprobe's keys: ``Functional`` for torch.nn.functional,
+``Tensor`` for Tensor methods, ``Torch`` for torch's functions; ``<c>`` counts that function's
+calls in the iteration on this rank), keyed to the innermost module running it (``ps_module``,
+``ps_call`` = that module call's ``<n>``, ``ps_op_index`` = the op's index in that call), with its
+inputs' statistics (taken before the call, so an in-place op shows what it read), its outputs'
+(after), and every non-tensor argument in msprobe's ``{type, value}`` form, so a replay can rebuild
+the call.
+
+Limits: calls made while autograd's engine runs (backward, and recompute re-runs inside it) are
+not recorded: on a GPU they run on the engine's threads, which a mode pushed on the main thread
+does not see, so recording them on the CPU only would make the two dumps differ. Metadata calls
+(``size``, ``dim``, attribute reads, ...) and calls that return no tensor are not recorded.
+``torch.distributed`` functions are not torch functions: collectives are recorded by their own
+wrappers (``portspeed.probe.collectives``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from portspeed.probe import layout as lay
+from portspeed.probe.entries import IterationRecord
+
+__all__ = ["OpRecorder", "op_name"]
+
+#: Tensor methods that read metadata or convert, never compute: not recorded
+_METADATA = {"__get__", "__set__", "size", "dim", "stride", "numel", "nelement", "ndimension", "is_contiguous",
+             "data_ptr", "element_size", "storage_offset", "untyped_storage", "is_floating_point", "is_complex",
+             "get_device", "__len__", "__format__", "__repr__", "__hash__", "__bool__", "__index__", "__int__",
+             "__float__", "item", "tolist", "type", "register_hook", "retain_grad", "requires_grad_", "backward",
+             "has_names", "_is_view", "__reduce_ex__", "__deepcopy__", "is_nonzero", "__array__", "numpy",
+             "_typed_storage", "storage", "__dlpack__", "__iter__", "__contains__", "data", "grad_fn"}
+_names: dict[Any, tuple[str, str]] = {}
+
+
+def op_name(func: Callable) -> tuple[str, str]:
+    """(family, name) of a torch function as msprobe names it: Functional / Tensor / Torch."""
+    got = _names.get(func)
+    if got is not None:
+        return got
+    name = getattr(func, "__name__", None) or type(func).__name__
+    qual = getattr(func, "__qualname__", "") or ""
+    module = getattr(func, "__module__", None) or ""
+    if qual.startswith(("TensorBase.", "Tensor.", "_TensorBase.")) or module == "torch._tensor":
+        family = "Tensor"
+    elif module.startswith(("torch.nn.functional", "torch._C._nn")):
+        family = "Functional"
+    else:
+        family = "Torch"
+    try:
+        _names[func] = (family, name)
+    except TypeError:  # unhashable callables: named each time
+        pass
+    return family, name
+
+
+class OpRecorder(TorchFunctionMode):
+    """The mode of one iteration; ``innermost()`` answers (module info, call index) or None."""
+
+    def __init__(self, record: IterationRecord, innermost: Callable[[], Any], parallel: lay.Parallel,
+                 selected: Callable[[Any], bool]) -> None:
+        super().__init__()
+        self.record = record
+        self.innermost = innermost
+        self.parallel = parallel
+        self.selected = selected
+        self.counts: dict[tuple[str, str], int] = {}
+        self.in_call: dict[tuple[int, int], int] = {}  # (id(module info), call) -> ops so far
+        self.reduced: set[tuple[int, int]] = set()  # module calls whose collective ran (row-parallel reduces)
+        self.parents: dict[str, str | None] = {}
+        self.on = True
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        family, name = op_name(func)
+        if not self.on or name in _METADATA or torch._C._current_graph_task_id() != -1:
+            return func(*args, **kwargs)
+        where = self.innermost()
+        if where is not None and not self.selected(where[0]):
+            return func(*args, **kwargs)
+        c = self.counts.get((family, name), 0)
+        key = f"{family}.{name}.{c}.forward"
+        save = self.record.saves(key)
+        inplace = name.endswith("_") and not name.endswith("__") or "out" in kwargs or name == "__setitem__"
+        if inplace:
+            pending = self._inputs(key, args, kwargs, save)
+        out = func(*args, **kwargs)
+        leaves = tree_flatten(out)[0]
+        if not any(isinstance(t, torch.Tensor) for t in leaves):
+            return out
+        if not inplace:
+            pending = self._inputs(key, args, kwargs, save)
+        self.counts[(family, name)] = c + 1
+        self._add(key, name, where, pending, leaves, save)
+        return out
+
+    def _inputs(self, key: str, args: tuple, kwargs: dict, save: bool) -> tuple[list, dict]:
+        """The arguments, each tensor's statistics queued now (before an in-place op writes it)."""
+        rec = self.record
+        if not rec.full:
+            return [], {}
+        return ([_arg(a, rec, key, "input_args", i, save) for i, a in enumerate(args)],
+                {k: _arg(v, rec, key, f"input_kwargs.{k}", 0, save) for k, v in kwargs.items()})
+
+    def _add(self, key: str, name: str, where: Any, pending: tuple[list, dict], leaves: list, save: bool) -> None:
+        rec = self.record
+        if where is not None:
+            info, call = where
+            slot = (id(info), call)
+            index = self.next_index(where)
+            out_layout = lay.op_layout(info.module, slot in self.reduced, self.parallel)
+            entry: dict[str, Any] = {"ps_micro_batch": rec.micro_batch, "ps_chunk": rec.chunk, "ps_phase": "forward",
+                                     "ps_module": info.path, "ps_class": info.cls, "ps_local_path": info.local_path,
+                                     "ps_layer": info.layer if info.layer is not None else -1, "ps_op": name,
+                                     "ps_op_index": index, "ps_call": call}
+            if info.expert is not None:
+                entry["ps_expert"] = info.expert
+            parent = f"Module.{info.path}.{info.cls}.forward.{call}"
+        else:
+            out_layout = lay.op_layout(None, False, self.parallel)
+            entry = {"ps_micro_batch": rec.micro_batch, "ps_chunk": rec.chunk, "ps_phase": "forward",
+                     "ps_module": None, "ps_class": None, "ps_local_path": None, "ps_layer": -1, "ps_op": name,
+                     "ps_op_index": -1, "ps_call": -1}
+            parent = None
+        if rec.full:
+            entry["input_args"], entry["input_kwargs"] = pending
+        entry["output"] = [rec.value(t, key, "output", i, out_layout, save) for i, t in enumerate(leaves)]
+        rec.add(key, entry)
+        self.parents[key] = parent
+
+    def next_index(self, where: tuple[Any, int]) -> int:
+        """The next op index inside the module call ``where`` (ops and collectives share it)."""
+        slot = (id(where[0]), where[1])
+        index = self.in_call.get(slot, 0)
+        self.in_call[slot] = index + 1
+        return index
+
+    def mark_reduced(self) -> None:
+        """A collective ran inside the innermost module's call (a row-parallel linear's reduce): its later ops are
+        no longer partial sums."""
+        where = self.innermost()
+        if where is not None:
+            self.reduced.add((id(where[0]), where[1]))
+
+    def start(self) -> "OpRecorder":
+        self.__enter__()
+        return self
+
+    def stop(self) -> None:
+        if self.on:
+            self.on = False
+            self.__exit__(None, None, None)
+
+
+def _arg(value: Any, rec: IterationRecord, key: str, field: str, index: int, save: bool) -> Any:
+    """An argument: a tensor's pending record, tensors inside lists and tuples too (``torch.cat([a, b])``), any
+    other value encoded."""
+    if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        return [_arg(v, rec, key, f"{field}.{index}", j, save) for j, v in enumerate(value)]
+    return rec.value(value, key, field, index, None, save)

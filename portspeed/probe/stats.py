@@ -1,0 +1,131 @@
+"""Tensor statistics computed on the device and read back once per iteration.
+
+Why on the device: a ``.item()`` per module would stop the device's queue at every hook and
+make probing cost what it measures. Each tensor's statistics are queued as a small float64
+tensor on the tensor's own device; ``StatsBatch.read()`` joins them and moves them to the host in
+one transfer per device, at the iteration's end.
+
+Two records per tensor:
+
+- **full** (``add_full``): ``[Max, Min, Sum, Norm, NaN count, Inf count]`` in float64. Max and Min
+  are exact (taken in the tensor's own dtype, then widened); Sum and Norm are computed in float64
+  over every element, so one non-finite element makes them non-finite; the Mean is Sum / count on
+  the host.
+- **flag** (``add_flag``): ``[Sum]`` in float64, one reduction. Finite float16 / bfloat16 /
+  float32 values cannot overflow a float64 sum, so the sum is non-finite exactly when an element
+  is (``--probe-nan`` on every iteration; a float64 tensor near its range could overflow: such a
+  flag is a false alarm the full statistics would not raise).
+
+Everything runs under ``no_grad`` on a ``detach()``-ed view, with torch-function handling off (an
+op-level probe's mode must not see the probe's own arithmetic): nothing joins autograd's graph,
+nothing is written, no random number is drawn.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["FULL", "FLAG", "StatsBatch", "describe", "empty_stats", "finish_full", "finish_flag"]
+
+#: fields of a full record, in order
+FULL = ("Max", "Min", "Sum", "Norm", "ps_nan", "ps_inf")
+#: fields of a flag record
+FLAG = ("Sum",)
+_F64 = torch.float64
+
+
+def describe(t: torch.Tensor) -> dict[str, Any]:
+    """What is known on the host without reading the tensor: msprobe's type, dtype, shape, requires_grad."""
+    return {"type": "torch.Tensor", "dtype": str(t.dtype), "shape": list(t.shape), "requires_grad": t.requires_grad}
+
+
+def empty_stats() -> dict[str, Any]:
+    """The statistics of a tensor with no elements (or of a kind that has none: complex, meta)."""
+    return {"Max": None, "Min": None, "Mean": None, "Norm": None, "ps_nan": 0, "ps_inf": 0}
+
+
+def _measurable(t: torch.Tensor) -> bool:
+    return t.numel() > 0 and not t.is_complex() and t.device.type != "meta"
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    x = t.detach()
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    lo, hi = torch.aminmax(x)
+    if not x.is_floating_point():
+        zero = torch.zeros((), dtype=_F64, device=x.device)
+        return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64),
+                            torch.linalg.vector_norm(x.to(_F64)), zero, zero])
+    nan = torch.isnan(x).sum()
+    nonfinite = x.numel() - torch.isfinite(x).sum()
+    return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64),
+                        torch.linalg.vector_norm(x, dtype=_F64), nan.to(_F64), (nonfinite - nan).to(_F64)])
+
+
+class StatsBatch:
+    """The statistics queued in one iteration, each a slot; ``read()`` returns every slot's values on the host."""
+
+    def __init__(self) -> None:
+        self._parts: dict[torch.device, list[torch.Tensor]] = {}
+        self._where: list[tuple[torch.device, int, int]] = []  # slot -> (device, index in its list, length)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def _queue(self, values: torch.Tensor) -> int:
+        parts = self._parts.setdefault(values.device, [])
+        parts.append(values)
+        self._where.append((values.device, len(parts) - 1, values.numel()))
+        return len(self._where) - 1
+
+    def add_full(self, t: torch.Tensor) -> int | None:
+        """Queue the full statistics of ``t``; the slot, or None for a tensor that has none (no elements, complex)."""
+        if not _measurable(t):
+            return None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return self._queue(_full(t))
+
+    def add_flag(self, t: torch.Tensor) -> int | None:
+        """Queue the float64 sum of ``t`` (non-finite exactly when an element is); None when it has no elements."""
+        if not _measurable(t):
+            return None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return self._queue(torch.sum(t.detach(), dtype=_F64).reshape(1))
+
+    def add_value(self, t: torch.Tensor) -> int:
+        """Queue a scalar tensor as it is (a loss scale)."""
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return self._queue(t.detach().to(_F64).reshape(1))
+
+    def read(self) -> list[list[float]]:
+        """Every slot's values, in slot order: one host transfer per device. The batch is emptied."""
+        host: dict[torch.device, list[float]] = {}
+        offsets: dict[torch.device, list[int]] = {}
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for device, parts in self._parts.items():
+                host[device] = torch.cat(parts).cpu().tolist()
+                starts, at = [], 0
+                for p in parts:
+                    starts.append(at)
+                    at += p.numel()
+                offsets[device] = starts
+        out = [host[d][offsets[d][i]:offsets[d][i] + n] for d, i, n in self._where]
+        self._parts, self._where = {}, []
+        return out
+
+
+def finish_full(values: list[float], numel: int) -> dict[str, Any]:
+    """A full record's host values as msprobe's fields (Mean = Sum / count) plus ``ps_nan`` / ``ps_inf``."""
+    hi, lo, total, norm, nan, inf = values
+    return {"Max": hi, "Min": lo, "Mean": total / numel, "Norm": norm, "ps_nan": int(nan), "ps_inf": int(inf)}
+
+
+def finish_flag(values: list[float], numel: int) -> dict[str, Any]:
+    """A flag record's host values: only the Mean is known; ``ps_finite`` says whether every element is finite."""
+    total = values[0]
+    return {"Max": None, "Min": None, "Mean": total / numel, "Norm": None, "ps_nan": None, "ps_inf": None,
+            "ps_finite": math.isfinite(total)}
