@@ -14,12 +14,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launch import REPO, free_port, run_python
+from helpers.launch import REPO, free_port, parse_losses, run_python
 
 pytestmark = [pytest.mark.multiproc]
 
 EXAMPLE = REPO / "examples" / "vendor_adapter.py"
 TIMEOUT = 400
+ITERS = 3
+#: forward calls of the adapter's kernels per rank in ITERS iterations of the example GPT (4 layers, 4 micro-batches
+#: of 2 a step): attention once per layer per micro-batch; RMSNorm twice per layer (the norms TE's LayerNormLinear
+#: fuses before attention and the MLP; the final norm is Megatron's own torch norm, which its block picks when
+#: NVIDIA's TE does not import, so not the slot's)
+ATTENTION_CALLS = 4 * 4 * ITERS
+RMS_NORM_CALLS = 2 * 4 * 4 * ITERS
 #: the BackendGaps line the test leaves out of the example (testccl refuses bf16 reduce-scatters)
 LEFT_OUT = '        unsupported_dtypes=[("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)],\n'
 
@@ -75,3 +82,68 @@ def test_every_rank_finds_a_relative_adapter_file_wherever_it_runs(tmp_path: Pat
     want = str(tmp_path / "here" / "acme_cpu.py")
     assert len(ranks) == 2 and all(r["name"] == "acme-cpu" and r["file"] == want and r["env"] == f"{want}:AcmeCpu"
                                    and r["cwd"] == str(tmp_path / "elsewhere") for r in ranks), ranks
+
+
+@pytest.mark.megatron
+@pytest.mark.testdev
+def test_tp2_on_the_one_file_adapter_equals_cpu_tp1_through_its_kernels() -> None:
+    """The example GPT on Megatron's TE spec with RMSNorm (the portable TE, whose kernel slot takes the adapter's
+    kernels): TP2 on the one-file adapter equals the CPU TP1 run within 1e-5 at every iteration; on each rank the
+    adapter's own attention and rms_norm ran (its counts), and under them the test device's fused attention and
+    RMSNorm (the device's counters). No shared checkpoint is needed: the trainer makes the full weights on the host
+    from one seed and then splits them (use_cpu_initialization), so TP1 and TP2 start equal."""
+    from helpers.launch import torchrun
+    from test_example_layouts import TE
+    from test_megatron_core_parity import FP32_TOL, _assert_close
+
+    cpu = parse_losses(torchrun("examples/pretrain_gpt.py", 1, [*TE, "--iters", str(ITERS)], timeout=TIMEOUT,
+                                env={"PORTSPEED_ACCELERATOR": "cpu"}).check().stdout)
+    assert sorted(cpu) == list(range(1, ITERS + 1)) and len({v[0] for v in cpu.values()}) > 1, cpu
+    res = torchrun("tests/helpers/vendor_counts.py", 2, [*TE, "--iters", str(ITERS), "--tp", "2"], timeout=TIMEOUT,
+                   env={"PORTSPEED_ACCELERATOR": "examples/vendor_adapter.py:AcmeAccelerator"}).check()
+    got = parse_losses(res.stdout)
+    assert sorted(got) == list(range(1, ITERS + 1)), res.stdout[-2000:]
+    worst = _assert_close(got, cpu, FP32_TOL, "TP2 on the one-file adapter vs CPU TP1")
+    ranks = [json.loads(ln.split("vendor_counts: ", 1)[1]) for ln in res.stderr.splitlines() if "vendor_counts: " in ln]
+    assert len(ranks) == 2 and all(r["adapter"] == "acme" for r in ranks), res.stderr[-2000:]
+    print(f"TP2 on the one-file adapter vs CPU TP1: max |diff| {worst:.3g}; calls per rank "
+          f"{[r['calls'] for r in ranks]}; device counters {[r['counters'] for r in ranks]}")
+    for r in ranks:
+        calls, dev = r["calls"], r["counters"]
+        assert calls.get("attention") == ATTENTION_CALLS and calls.get("rms_norm") == RMS_NORM_CALLS, calls
+        assert dev["rms_norm_fwd"] == RMS_NORM_CALLS and dev["rms_norm_bwd"] == RMS_NORM_CALLS, dev
+        assert dev["sdpa_overrideable_fwd"] == ATTENTION_CALLS and dev["sdpa_overrideable_bwd"] == ATTENTION_CALLS, dev
+
+
+@pytest.mark.testdev
+def test_the_portable_te_runs_the_adapters_other_kernels() -> None:
+    """The ops the TP2 run does not reach, on the device: the kernel table chooses the adapter's function for every
+    op it declares, the ring attention of context parallelism (one rank) calls its attention_lse and backward, and
+    the experts' GroupedLinear (--moe-grouped-gemm) its grouped_mm (its counts)."""
+    from helpers.launch import child_json
+
+    got = child_json('''
+        import datetime, json, sys
+        import torch, torch.distributed as dist
+        import portspeed
+        from portspeed.portable_te import kernels
+        from portspeed.portable_te.grouped import GroupedLinear
+        from portspeed.portable_te.ring import ring_attention
+
+        acc = portspeed.get_accelerator()
+        adapter = sys.modules[type(acc).__module__]
+        chosen = {op: kernels.kernel(op) is getattr(adapter, op) for op in acc.kernels()}
+        dev = acc.device(0)
+        dist.init_process_group(acc.communication_backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        q, k, v = (torch.randn(1, 2, 8, 16, device=dev, requires_grad=True) for _ in range(3))
+        ring_attention(q, k, v, dist.group.WORLD, causal=True, scale=0.25).sum().backward()
+        experts = GroupedLinear(4, 8, 6, bias=False, params_dtype=torch.float32, device=dev,
+                                init_method=torch.nn.init.normal_)
+        experts(torch.randn(10, 8, device=dev, requires_grad=True), [3, 0, 4, 3]).sum().backward()
+        print(json.dumps({"chosen": chosen, "calls": dict(adapter.CALLS), "grad": q.grad.device.type}))
+    ''', timeout=TIMEOUT, env={"PORTSPEED_ACCELERATOR": "examples/vendor_adapter.py:AcmeAccelerator"})
+    assert got["chosen"] == dict.fromkeys(["attention", "attention_lse", "attention_lse_backward", "rms_norm",
+                                           "grouped_mm"], True), got
+    assert got["calls"] == {"attention_lse": 1, "attention_lse_backward": 1, "grouped_mm": 1}, got
+    assert got["grad"] == "testdev"
