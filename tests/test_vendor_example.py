@@ -29,6 +29,8 @@ ATTENTION_CALLS = 4 * 4 * ITERS
 RMS_NORM_CALLS = 2 * 4 * 4 * ITERS
 #: the BackendGaps line the test leaves out of the example (testccl refuses bf16 reduce-scatters)
 LEFT_OUT = '        unsupported_dtypes=[("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)],\n'
+#: the example's reduce ops line (BXOR, which testccl does right, is added to it)
+OPS = "unsupported_ops=[dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM]"
 
 
 def _conformance(cwd: Path, *args: str) -> tuple[int, str]:
@@ -38,24 +40,29 @@ def _conformance(cwd: Path, *args: str) -> tuple[int, str]:
 
 @pytest.mark.testdev
 def test_an_undeclared_gap_is_printed_as_the_line_that_fixes_it(tmp_path: Path) -> None:
-    """The example without its unsupported_dtypes line: conformance names the op, the dtype and what the backend did,
-    and prints the field to write; the file with that printed field added passes (a relative file, from its cwd)."""
+    """The example without its unsupported_dtypes line, and declaring BXOR, which testccl has: conformance names the
+    op, the dtype and what the backend did, prints the field to write, and says the BXOR declaration can go; the
+    file with the printed field added and BXOR taken out passes (a relative file, from its directory)."""
     text = EXAMPLE.read_text()
-    assert LEFT_OUT in text
+    assert LEFT_OUT in text and OPS in text
     adapter = tmp_path / "acme.py"
-    adapter.write_text(text.replace(LEFT_OUT, ""))
-    rc, out = _conformance(tmp_path, "--adapter", "acme.py:AcmeAccelerator", "--suites", "collectives")
+    adapter.write_text(text.replace(LEFT_OUT, "").replace(OPS, OPS[:-1] + ", dist.ReduceOp.BXOR]"))
+    rc, out = _conformance(tmp_path, "--adapter", "acme.py:AcmeAccelerator", "--suites", "collectives",
+                           "--declared-gaps")
     assert rc == 1, out[-4000:]
     failed = [ln for ln in out.splitlines() if "[FAIL]" in ln]
-    assert len(failed) == 2, "\n".join(failed)  # the undeclared gap, and the declaration that fits
+    assert len(failed) == 3, "\n".join(failed)  # BXOR can go, the undeclared gap, the declaration that fits
+    assert "raw declared unsupported_ops=[dist.ReduceOp.BXOR]" in failed[0] and "the declaration can go" in failed[0]
     assert "undeclared gap: reduce_scatter bfloat16: every op raised; reduce_scatter_tensor bfloat16: every op " \
-           "raised" in failed[0], failed[0]
-    written = re.search(r"write in the adapter's BackendGaps\(\.\.\.\): (.*?) \(first seen", failed[0]).group(1)
+           "raised" in failed[1], failed[1]
+    written = re.search(r"write in the adapter's BackendGaps\(\.\.\.\): (.*?) \(first seen", failed[1]).group(1)
     assert written == LEFT_OUT.strip().rstrip(","), written
-    lines = adapter.read_text().splitlines(keepends=True)
+    assert "BackendGaps(unsupported_ops=[dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM], " + written in failed[2]
+    lines = text.replace(LEFT_OUT, "").splitlines(keepends=True)  # the printed field added, BXOR taken out
     at = next(i for i, ln in enumerate(lines) if "backend_gaps = BackendGaps(" in ln)
     adapter.write_text("".join(lines[:at + 1] + [f"        {written},\n"] + lines[at + 1:]))
-    rc, out = _conformance(tmp_path, "--adapter", "acme.py:AcmeAccelerator", "--suites", "collectives")
+    rc, out = _conformance(tmp_path, "--adapter", "acme.py:AcmeAccelerator", "--suites", "collectives",
+                           "--declared-gaps")
     assert rc == 0 and "0 failed" in out, out[-4000:]
 
 
