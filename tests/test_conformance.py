@@ -26,7 +26,8 @@ def _kit(*args: str) -> tuple[int, str, str]:
 @pytest.mark.testdev
 def test_the_one_file_vendor_adapter_passes_every_suite(tmp_path: Path) -> None:
     """examples/vendor_adapter.py (the test device as a new vendor's device, named by its file): device, kernels (its
-    five), collectives (declared gaps run raw first, then rewritten through the router) and training all pass."""
+    five, and DeepSpeed's quantizer), collectives (declared gaps run raw first, then rewritten through the router)
+    and training all pass."""
     out_json = tmp_path / "kit.json"
     rc, out, err = _kit("--adapter", "examples/vendor_adapter.py:AcmeAccelerator", "--declared-gaps",
                         "--json", str(out_json))
@@ -35,8 +36,10 @@ def test_the_one_file_vendor_adapter_passes_every_suite(tmp_path: Path) -> None:
     suites = {c["suite"] for c in checks}
     assert suites == {"device", "kernels", "collectives", "training"}
     assert not any(c["skipped"] for c in checks), "nothing may be skipped on a device that is not the host"
-    kernels = {c["name"].split()[2] for c in checks if c["suite"] == "kernels"}
+    kernels = {c["name"].split()[2] for c in checks if c["name"].startswith("vendor kernel ")}
     assert kernels == {"attention", "attention_lse", "attention_lse_backward", "rms_norm", "grouped_mm"}, kernels
+    # DeepSpeed's quantizer (ZeRO++), portspeed's torch ops on the device, against its float reference
+    assert [c["ok"] for c in checks if c["name"].startswith("DeepSpeed QuantizerBuilder")] == [True]
     raw = sorted(c["name"] for c in checks if c["name"].startswith("raw declared "))
     assert len(raw) == 5 and all(c.endswith(": the raw backend shows it") for c in raw), raw  # every item is needed
     assert sum(c["suite"] == "collectives" for c in checks) >= 140  # every collective x dtype x op really ran

@@ -295,6 +295,22 @@ class Accelerator:
         """
         return {}
 
+    @classmethod
+    def deepspeed_ops(cls) -> dict[str, Any]:
+        """DeepSpeed's ops this device serves with its own kernels: ``{builder class name: "module[:attr]"}``.
+
+        Keys are DeepSpeed's op-builder class names (``"QuantizerBuilder"``, ``"FusedAdamBuilder"``...).
+        A value names (or is) either a DeepSpeed ``OpBuilder`` subclass, which DeepSpeed builds and
+        loads as usual, or the loaded op module itself: an object with the functions DeepSpeed calls
+        on ``load()``'s result (for ``QuantizerBuilder``: ``quantize``, ``dequantize``, ``swizzle_quant``,
+        ``quantized_reduction``, ``Symmetric``, ``Asymmetric``). Read without importing DeepSpeed or
+        the device runtime; resolved when DeepSpeed first asks for its op builders, at its import
+        (``portspeed.integrations.ds_op_builders``).
+        Default: none, so portspeed serves its torch implementations (``QuantizerBuilder``) and
+        DeepSpeed's host builders, and refuses the rest naming what to do.
+        """
+        return {}
+
     # -- grouped GEMM capability -------------------------------------------------------
     def has_grouped_mm(self, dtype: torch.dtype) -> bool:
         """Whether torch's ``grouped_mm`` runs a real grouped kernel on this device for ``dtype``

@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run_device_checks(acc, report)
     if "kernels" in suites:
+        from portspeed.conformance.ds_ops import run_ds_op_checks
         from portspeed.conformance.kernels import run_kernel_checks
 
         run_kernel_checks(acc, report)
+        run_ds_op_checks(acc, report)
     if "collectives" in suites:
         from portspeed.conformance.collectives import run_collective_checks
 

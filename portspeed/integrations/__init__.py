@@ -9,5 +9,7 @@ patch modules. The public entry points ``portspeed.megatron_adaptor`` and
 - ``megatron``        the Megatron patch set and its activation.
 - ``deepspeed``       the DeepSpeed patch set, its activation and accelerator hook.
 - ``ds_accelerator``  DeepSpeed's accelerator object, answered by the active adapter.
-- ``ds_op_builders``  which DeepSpeed op builders it offers, and what stands for the rest.
+- ``ds_op_builders``  which DeepSpeed op builders it offers (the vendor slot, torch, host), and the refusals.
+- ``ds_quantizer``    DeepSpeed's quantizer op (what ZeRO++ loads) in torch operators.
+- ``ds_nodes``        what DeepSpeed counts as a node: the ranks the launcher started here.
 """

@@ -19,9 +19,15 @@ Contract
 - On any other adapter the object subclasses ``DeepSpeedAccelerator`` directly. It offers
   DeepSpeed's host-side op builders (``HOST_OP_BUILDERS``: CPU Adam/Adagrad/Lion, async
   I/O, pinned host memory; offload is host work on every accelerator), the same classes
-  DeepSpeed's CPU accelerator offers. Device kernels (FusedAdam, transformer kernels...)
-  are not: ``create_op_builder`` returns None, and ``get_op_builder`` returns a stand-in
-  class that says why (``portspeed.integrations.ds_op_builders``).
+  DeepSpeed's CPU accelerator offers.
+- On both, op builders come first from the adapter's own kernels (``Accelerator.deepspeed_ops()``,
+  the vendor slot), then from portspeed's torch implementations (``QuantizerBuilder``: ZeRO++);
+  any other device kernel (FusedAdam, transformer kernels...) is refused: ``create_op_builder``
+  returns None, and ``get_op_builder`` a stand-in class whose ``load()`` names the fix
+  (``portspeed.integrations.ds_op_builders``).
+- ``device_count()`` is what DeepSpeed splits nodes by (qgZ's all-to-all groups, its node count):
+  the ranks the launcher put on this node (``ds_nodes.node_size``), else the adapter's devices (CPU:
+  DeepSpeed's NUMA count), so DeepSpeed sees the topology that was launched.
 
 Limits: importing this module imports DeepSpeed; ``portspeed.deepspeed_adaptor`` imports
 it only from a post-import hook, once DeepSpeed is being imported anyway.
@@ -37,7 +43,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Callable
 
 import torch
@@ -45,7 +50,9 @@ from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
 from portspeed.accelerator import Accelerator
-from portspeed.integrations.ds_op_builders import COMM_OP_BUILDERS, HOST_OP_BUILDERS, host_builder, unavailable_builder
+from portspeed.integrations.ds_nodes import node_size
+from portspeed.integrations.ds_op_builders import (COMM_OP_BUILDERS, HOST_OP_BUILDERS, host_builder, served_builder,
+                                                   unavailable_builder)
 
 __all__ = ["AdapterBacked", "HOST_OP_BUILDERS", "PortspeedCpuAccelerator", "PortspeedAccelerator",
            "build_ds_accelerator"]
@@ -209,14 +216,19 @@ class PortspeedCpuAccelerator(AdapterBacked, CPU_Accelerator):
         # group; portspeed keeps every collective on the adapter's routed backend.
         if class_name in COMM_OP_BUILDERS:
             return None
+        served = served_builder(class_name, self._adapter)
+        if served is not None:
+            return served
         builder = CPU_Accelerator.get_op_builder(self, class_name)
-        return host_builder(builder) if builder is not None else None
+        if builder is None:
+            return None
+        if builder.__name__ == "NotImplementedBuilder":  # "This op had not been implemented on CPU backend."
+            return unavailable_builder(class_name, self._adapter)
+        return host_builder(builder)
 
     def device_count(self) -> int:
-        local = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
-        if local.isdigit() and int(local) > 0 and not os.environ.get("LOCAL_SIZE"):
-            return int(local)
-        return int(CPU_Accelerator.device_count(self))
+        launched = node_size()
+        return launched if launched is not None else int(CPU_Accelerator.device_count(self))
 
 
 def _tensor_factory(dtype: torch.dtype, device: Callable[[], str]) -> Callable[..., torch.Tensor]:
@@ -259,7 +271,8 @@ class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
         return False
 
     def device_count(self) -> int:
-        return int(self._adapter.device_count())
+        launched = node_size()
+        return launched if launched is not None else int(self._adapter.device_count())
 
     def _torch_memory_info(self, device_index: int | None) -> tuple[int, int] | None:
         """(free, total) from ``torch.accelerator`` when the adapter's device is torch's accelerator.
@@ -320,11 +333,15 @@ class PortspeedAccelerator(AdapterBacked, DeepSpeedAccelerator):
         return CPU_Accelerator.op_builder_dir(self)
 
     def create_op_builder(self, class_name: str) -> Any:
-        if class_name not in HOST_OP_BUILDERS:
+        builder = self.get_op_builder(class_name)
+        if getattr(builder, "unavailable_reason", None):
             return None  # DeepSpeed's answer for "not on this accelerator"
-        return self.get_op_builder(class_name)()
+        return builder()
 
     def get_op_builder(self, class_name: str) -> type:
+        served = served_builder(class_name, self._adapter)
+        if served is not None:
+            return served
         if class_name in HOST_OP_BUILDERS:
             return host_builder(CPU_Accelerator.get_op_builder(self, class_name))
         builder = self._unavailable.get(class_name)
