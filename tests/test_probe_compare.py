@@ -232,6 +232,73 @@ def test_unknown_layouts_are_refused_and_a_missing_part_is_named(tp1: Path, tmp_
     assert code == 0 and "only 1 of its 2 parts over tp were recorded (ranks 0)" in out
 
 
+def test_distributed_optimizer_shards_join_into_the_parameter(tp1: Path, tmp_path: Path) -> None:
+    """Under TP2 x DP2 with the distributed optimizer each rank holds an uneven flat slice of its TP part of a weight
+    gradient (``ps_shard``): the four slices join into the TP1 gradient; one slice off is named by the joined ranks."""
+    def write(root: Path, off: float = 0.0) -> Path:
+        m = meta(tp=2, dp=2, micro_batches=2, global_batch_size=8, distributed_optimizer=True)
+        m["layout"]["distributed_optimizer"] = True
+        t = truth(4)
+        for rank in range(4):
+            tp_r, dp_r = rank % 2, rank // 2
+            r = RankDump(m, rank=rank, tp=tp_r, dp=dp_r)
+            for L in reversed(range(LAYERS)):
+                part = t[("parameters_grad", -1, L, 1)].chunk(2, dim=0)[tp_r].reshape(-1)
+                start, end = (0, 19) if dp_r == 0 else (19, part.numel())
+                piece = part[start:end] * (1 + off if rank == 3 and L == 0 else 1)
+                r.params(fc(L, 1), FC1, {"weight": piece}, layer=L, layout=split("tp", "dp", dim=0),
+                         shard=(start, end, part.numel()))
+            r.write(root)
+        return root
+
+    ref = record(tmp_path / "tp1-grads", phases=("parameters_grad",))
+    code, out, _ = probe(ref, write(tmp_path / "distopt"))
+    assert code == 0 and "compared 2 tensors" in out, out
+    code, out, _ = probe(ref, write(tmp_path / "distopt-off", off=1e-3))
+    assert code == 1 and out.startswith(f"first divergence: iteration 1, micro-batch all, parameters_grad, {fc(0, 1)}, "
+                                        "rank 0+1+2+3: weight ")
+
+
+def test_parameters_after_the_step_are_judged_without_their_mean(tmp_path: Path) -> None:
+    """A bias after Adam's first step is +-lr per element; two signs flipped by rounding noise (a correct run) move
+    its Mean only: agree. The step taken with twice the lr moves its Max and Norm: named."""
+    signs = torch.tensor([1.0, -1.0] * 32)
+
+    def write(root: Path, bias: torch.Tensor, **lay: int) -> Path:
+        m = meta(**lay)
+        for rank in range(m["world"]):
+            r = RankDump(m, rank=rank, tp=rank)
+            r.params(fc(0, 2), FC2, {"bias": bias}, layer=0, phase="parameters_updated", layout=full("tp"))
+            r.write(root)
+        return root
+
+    ref = write(tmp_path / "ref", 1e-3 * signs)
+    flipped = signs.clone()
+    flipped[:4:2] = -1.0
+    assert probe(ref, write(tmp_path / "flip", 1e-3 * flipped, tp=2))[0] == 0
+    code, out, _ = probe(ref, write(tmp_path / "lr2", 2e-3 * signs, tp=2))
+    assert code == 1 and re.search(rf"parameters_updated, {re.escape(fc(0, 2))}, rank 0: bias (Max|Norm) ref",
+                                   out.splitlines()[0])
+
+
+def test_a_container_on_several_pipeline_stages_is_refused(tp1: Path, tmp_path: Path) -> None:
+    """Under PP2 each stage's TransformerBlock holds its own layers: the `decoder` entries of two stages are not
+    one tensor, so they are refused by name; the layers inside compare."""
+    run = record(tmp_path / "pp2", pp=2)
+    for stage in (0, 1):
+        f = run / "step1" / f"rank{stage}" / "dump.json"
+        doc = json.loads(f.read_text())
+        doc["data"]["Module.decoder.TransformerBlock.forward.0"] = {
+            "input_args": [], "input_kwargs": {}, "output": [stats(torch.full((2, 2), float(stage)))],
+            "ps_micro_batch": 0, "ps_phase": "forward", "ps_module": "decoder", "ps_class": "TransformerBlock",
+            "ps_layer": LAYERS, "ps_seq": 99}
+        f.write_text(json.dumps(doc))
+    code, out, _ = probe(tp1, run)
+    assert code == 0, out
+    assert ("run: recorded on 2 pipeline stages: a TransformerBlock each stage runs its own part of, no one tensor "
+            "to compare (1 tensors): decoder (forward)") in out
+
+
 def test_grad_scale_is_divided_out_of_backward_entries(tp1: Path, tmp_path: Path) -> None:
     """Gradients that carry a factor 4 (a schedule dividing by fewer micro-batches) agree once the meta's
     grad_scale says so; the same gradients with grad_scale 1 differ at the first backward entry."""

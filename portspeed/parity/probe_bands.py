@@ -10,12 +10,18 @@ against that scale:
     Norm:      |run - ref| <= band * Norm(ref)
 
 Shapes (element counts where split parts were joined without a known dim) and NaN / Inf counts
-must match exactly. Integer tensors (token ids, positions) must match exactly.
+must match exactly. Integer tensors (token ids, positions) must match exactly. The Mean of a
+parameter after the optimizer step is not judged (`UPDATED_STATS`): Adam's first steps move an
+element whose gradient is rounding noise by +-lr with the noise's sign, so a correct run flips a
+few of them (measured: 2 of 64 elements of a bias in bf16 TP2 against TP1), which moves the Mean
+of a freshly updated tensor by a few percent and no other statistic (Max, Min and Norm of +-lr
+elements do not see a sign).
 
 The numbers (`BANDS`) were calibrated on clean runs, the measurements and the margins are in
 docs/accuracy.md ("Bands"). A ``device`` pair is one layout on two devices (or backends); a
 ``layout`` pair is two layouts (TP2 against TP1, ...). A pair of two dtypes is judged at the
-looser one's band.
+looser one's band, and a run's training dtype counts (a bf16 run's fp32 main gradients carry bf16
+arithmetic's rounding).
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import math
 
 from portspeed.parity.probe_layout import Merged
 
-__all__ = ["Bands", "BANDS", "Verdict", "bands_for", "dtype_class", "check", "STAT_ORDER"]
+__all__ = ["Bands", "BANDS", "Verdict", "bands_for", "dtype_class", "check", "STAT_ORDER", "UPDATED_STATS"]
 
 #: the statistics compared against a band, in the order they are reported
 STAT_ORDER = ("Max", "Min", "Mean", "Norm")
+#: those judged for a parameter after the optimizer step (see the module docstring)
+UPDATED_STATS = ("Max", "Min", "Norm")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,12 +61,15 @@ def _same(x: float, why: str) -> Bands:
 BANDS: dict[tuple[str, str], Bands] = {
     ("fp64", "device"): _same(1e-12, "float64: reduction order only (unit roundoff 1.1e-16), reasoned"),
     ("fp64", "layout"): _same(1e-12, "float64: reduction order only (unit roundoff 1.1e-16), reasoned"),
-    ("fp32", "device"): _same(1e-5, "fp32, one layout, two devices: kernel rounding differs"),
-    ("fp32", "layout"): _same(1e-5, "fp32, two layouts: reduction order differs (split matmuls, reduces)"),
+    ("fp32", "device"): _same(1e-4, "fp32, one layout on two devices: the test device against the CPU measured 0; "
+                                    "a device's own kernels round as a layout's reorderings do, so the layout band"),
+    ("fp32", "layout"): _same(1e-4, "fp32, two layouts: worst 6.3e-7 at iteration 1, 2.1e-5 by iterations 2-10 "
+                                    "(TP2, SP, PP2 against TP1)"),
     ("fp16", "device"): _same(1e-2, "fp16 (unit roundoff 4.9e-4): reasoned, not measured"),
     ("fp16", "layout"): _same(1e-2, "fp16 (unit roundoff 4.9e-4): reasoned, not measured"),
-    ("bf16", "device"): _same(5e-2, "bf16 (unit roundoff 3.9e-3): ~4 ulps per element, layers compound"),
-    ("bf16", "layout"): _same(5e-2, "bf16 (unit roundoff 3.9e-3): ~4 ulps per element, layers compound"),
+    ("bf16", "device"): _same(5e-2, "bf16: the layout band (no second bf16 device measured)"),
+    ("bf16", "layout"): _same(5e-2, "bf16 (unit roundoff 3.9e-3), two layouts: worst 1.5e-2 at iteration 1 "
+                                    "(TP2 against TP1)"),
     ("int", "device"): _same(0.0, "integers match exactly"),
     ("int", "layout"): _same(0.0, "integers match exactly"),
 }
@@ -80,10 +91,16 @@ def dtype_class(dtype: str) -> str:
     return "fp32"
 
 
-def bands_for(ref_dtype: str, run_dtype: str, kind: str, override: float | None = None) -> tuple[Bands, str]:
-    """The bands of a tensor pair and their name (``fp32 layout``); ``override`` sets every float band."""
+def bands_for(ref_dtype: str, run_dtype: str, kind: str, override: float | None = None,
+              trained: tuple[str, ...] = ()) -> tuple[Bands, str]:
+    """The bands of a tensor pair and their name (``fp32 layout``); ``override`` sets every float band.
+
+    ``trained``: the runs' training dtypes (the meta's ``dtype``). A float tensor is judged at the loosest of its
+    own dtypes and these: a bf16 run's fp32 main gradients carry bf16 arithmetic's rounding.
+    """
     a, b = dtype_class(ref_dtype), dtype_class(run_dtype)
-    cls = max(a, b, key=_LOOSENESS.index)
+    classes = [a, b] if "int" in (a, b) else [a, b, *(dtype_class(t) for t in trained if t)]
+    cls = max(classes, key=_LOOSENESS.index)
     if override is not None and cls != "int":
         return _same(override, "--rtol"), f"{cls} {kind} (--rtol {override:g})"
     return BANDS[(cls, kind)], f"{cls} {kind}"
@@ -105,8 +122,8 @@ class Verdict:
     ratios: tuple[tuple[str, float], ...] = ()
 
 
-def check(ref: Merged, run: Merged, bands: Bands) -> Verdict:
-    """Judge ``run`` against ``ref``: exact shape and non-finite counts, then each statistic in its band."""
+def check(ref: Merged, run: Merged, bands: Bands, judged: tuple[str, ...] = STAT_ORDER) -> Verdict:
+    """Judge ``run`` against ``ref``: exact shape and non-finite counts, then each ``judged`` statistic in its band."""
     if ref.numel != run.numel or (ref.shape is not None and run.shape is not None and ref.shape != run.shape):
         shape = (lambda m: list(m.shape) if m.shape is not None else f"{m.numel} elements")
         return Verdict(False, "shape", shape(ref), shape(run), None, math.inf)
@@ -115,7 +132,7 @@ def check(ref: Merged, run: Merged, bands: Bands) -> Verdict:
             return Verdict(False, name, a, b, None, math.inf)
     worst: Verdict | None = None
     ratios = []
-    for stat in STAT_ORDER:
+    for stat in judged:
         r, v = ref.stat(stat), run.stat(stat)
         band = bands.of(stat) * _scale(ref, stat)
         ratio = _ratio(r, v, band)

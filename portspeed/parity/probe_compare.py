@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from portspeed.parity.probe_bands import STAT_ORDER, Verdict, bands_for, check
+from portspeed.parity.probe_bands import STAT_ORDER, UPDATED_STATS, Verdict, bands_for, check
 from portspeed.parity.probe_format import ProbeDump, ProbeInputError, read_dump
 from portspeed.parity.probe_layout import Copy, Pairing, Side, Slot, pair_dumps
 
@@ -113,17 +113,22 @@ def _judge(slot: Slot, rs: Side | None, us: Side | None, pairing: Pairing, rtol:
     assert side is not None
     res = TensorResult(slot, rs.order if rs else (*us.order[:-1], math.inf), "not compared",
                        several=(side.fields > 1) or slot.phase.startswith("parameters"))
-    if rs is None or us is None:
-        res.reason = "only in the reference" if us is None else "only in the run"
+    refused = next((f"{n}: {x.refused}" for n, x in (("reference", rs), ("run", us)) if x and x.refused), None)
+    if refused:
+        res.reason = refused
         return res
-    if rs.refused or us.refused:
-        res.reason = f"{'reference' if rs.refused else 'run'}: {rs.refused or us.refused}"
+    if rs is None or us is None:
+        side_name = "run" if us is None else "reference"
+        why = pairing.unmatched.get(side_name) if slot.micro_batch >= 0 else None
+        res.reason = (f"the {side_name}'s micro-batches cannot be matched ({why})" if why else
+                      "only in the reference" if us is None else "only in the run")
         return res
     ref_copies = rs.copies
     for i, u in enumerate(us.copies):
         r = ref_copies[i] if len(ref_copies) == len(us.copies) else ref_copies[0]
-        bands, name = bands_for(r.stats.dtype, u.stats.dtype, pairing.kind, rtol)
-        res.pairs.append((r, u, check(r.stats, u.stats, bands)))
+        bands, name = bands_for(r.stats.dtype, u.stats.dtype, pairing.kind, rtol, pairing.dtype)
+        judged = UPDATED_STATS if slot.phase == "parameters_updated" else STAT_ORDER
+        res.pairs.append((r, u, check(r.stats, u.stats, bands, judged)))
         res.bands = name
     res.status = "differ" if res.first_bad else "agree"
     return res

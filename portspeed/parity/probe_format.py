@@ -71,6 +71,8 @@ class TensorStats:
     layout: str = "unknown"
     groups: tuple[str, ...] = ()
     dims: tuple[tuple[str, int], ...] = ()
+    #: a flat slice of a parameter (``ps_shard``: the distributed optimizer's part): only its element count is a shape
+    flat: bool = False
 
     @property
     def numel(self) -> int:
@@ -124,6 +126,8 @@ class ProbeDump:
     ranks: dict[tuple[int, int], RankDump]
     #: False for a dump written by msprobe itself (no ``portspeed`` meta)
     portspeed: bool = True
+    #: the run meta's model block joined over the ranks (a field one rank cannot know is None there)
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -243,9 +247,9 @@ def _entry(key: str, raw: dict[str, Any], rank: int, iteration: int, seq: int,
     return Entry(
         key=key, rank=rank, iteration=int(raw.get("ps_iteration", iteration)),
         micro_batch=int(raw.get("ps_micro_batch", 0 if phase in ("forward", "backward") else -1)),
-        phase=str(raw.get("ps_phase", phase)), module=str(raw.get("ps_module", module)),
-        cls=str(raw.get("ps_class", cls)), layer=_opt_int(raw.get("ps_layer")), seq=int(raw.get("ps_seq", seq)),
-        chunk=int(raw.get("ps_chunk", 0)), op=raw.get("ps_op", op), op_index=_opt_int(raw.get("ps_op_index")),
+        phase=str(raw.get("ps_phase") or phase), module=str(raw.get("ps_module") or module),
+        cls=str(raw.get("ps_class") or cls), layer=_opt_int(raw.get("ps_layer")), seq=int(raw.get("ps_seq", seq)),
+        chunk=int(raw.get("ps_chunk") or 0), op=raw.get("ps_op") or op, op_index=_opt_int(raw.get("ps_op_index")),
         call=_opt_int(raw.get("ps_call", call)), expert=_opt_int(raw.get("ps_expert")),
         recompute=bool(raw.get("ps_recompute", False)), tensors=tuple(tensors))
 
@@ -273,7 +277,7 @@ def _tensor(v: dict[str, Any]) -> TensorStats:
         dtype=str(v.get("dtype", "")), shape=tuple(int(s) for s in v["shape"]),
         max=_num(v["Max"]), min=_num(v["Min"]), mean=_num(v.get("Mean")), norm=_num(v.get("Norm")),
         nan=_opt_int(v.get("ps_nan")), inf=_opt_int(v.get("ps_inf")),
-        layout=str(lay.get("kind", "unknown")), groups=groups, dims=dims)
+        layout=str(lay.get("kind", "unknown")), groups=groups, dims=dims, flat="ps_shard" in v)
 
 
 def _num(x: Any) -> float | None:
@@ -291,11 +295,23 @@ def _opt_int(x: Any) -> int | None:
 
 
 def _check_consistent(dump: ProbeDump) -> None:
-    """Every rank of one dump describes the same run (model, layout, releases)."""
+    """Every rank of one dump describes the same run (model, layout, releases); a model field a rank cannot know
+    (None: the vocabulary on a pipeline stage without the embedding) is taken from the ranks that know it."""
     first = dump.meta
     for (it, rank), rd in sorted(dump.ranks.items()):
-        for field in ("model", "layout", "releases", "level", "dtype", "global_batch_size"):
+        for field in ("layout", "releases", "level", "dtype", "global_batch_size"):
             if rd.meta.get(field) != first.get(field):
-                raise ProbeInputError(
-                    f"{rd.path}: its meta {field!r} is {rd.meta.get(field)!r} but another rank's is "
-                    f"{first.get(field)!r}; a dump folder holds one run, give each run its own --probe DIR")
+                _one_run(rd, field, rd.meta.get(field), first.get(field))
+    model: dict[str, Any] = {}
+    for rd in dump.ranks.values():
+        for k, v in (rd.meta.get("model") or {}).items():
+            if v is not None and model.get(k) not in (None, v):
+                _one_run(rd, f"model {k}", v, model[k])
+            if v is not None or k not in model:
+                model[k] = v
+    dump.model = model
+
+
+def _one_run(rd: RankDump, field: str, value: Any, other: Any) -> None:
+    raise ProbeInputError(f"{rd.path}: its meta {field!r} is {value!r} but another rank's is {other!r}; a dump "
+                          "folder holds one run, give each run its own --probe DIR")

@@ -117,7 +117,10 @@ class Pairing:
     slots: dict[Slot, tuple[Side | None, Side | None]]
     #: a sentence per thing left out as a whole (a sampler that cannot be matched, recomputed forwards)
     notes: list[str]
+    #: the runs' training dtypes (the meta's ``dtype``: reference, run)
     dtype: tuple[str, str]
+    #: "reference" / "run" -> why that side's micro-batches could not be matched to the other's
+    unmatched: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def merge(parts: Iterable[TensorStats | Merged], shape: tuple[int, ...] | None = None) -> Merged:
@@ -152,7 +155,8 @@ def _nan(x: float | None) -> bool:
 def _whole(t: TensorStats, scale: float = 1.0) -> Merged:
     """One rank's tensor as it is (divided by ``scale``: the gradient scale of a backward entry)."""
     d = (lambda x: x) if scale == 1.0 else (lambda x: None if x is None else x / scale)
-    return Merged(t.dtype, t.shape, t.numel, d(t.max), d(t.min), d(t.mean), d(t.norm), t.nan, t.inf)
+    return Merged(t.dtype, None if t.flat else t.shape, t.numel, d(t.max), d(t.min), d(t.mean), d(t.norm), t.nan,
+                  t.inf)
 
 
 # ----------------------------------------------------------------------------- the pair
@@ -168,11 +172,12 @@ def pair_dumps(ref: ProbeDump, run: ProbeDump, iterations: tuple[int | None, int
                               f"{'' if iterations == (None, None) else f', window {lo}:{hi}'}); record the same "
                               "iterations with --probe-iterations")
     notes: list[str] = []
-    a = _side(ref, kind, set(common), run, notes, "reference")
-    b = _side(run, kind, set(common), ref, notes, "run")
+    unmatched: dict[str, str] = {}
+    a = _side(ref, kind, set(common), run, notes, "reference", unmatched)
+    b = _side(run, kind, set(common), ref, notes, "run", unmatched)
     slots = {s: (a.get(s), b.get(s)) for s in sorted(set(a) | set(b))}
-    return Pairing(kind, slots, list(dict.fromkeys(notes)), (str(ref.meta.get("dtype", "")),
-                                                               str(run.meta.get("dtype", ""))))
+    return Pairing(kind, slots, list(dict.fromkeys(notes)),
+                   (str(ref.meta.get("dtype") or ""), str(run.meta.get("dtype") or "")), unmatched)
 
 
 def _check_pair(ref: ProbeDump, run: ProbeDump) -> str:
@@ -184,8 +189,8 @@ def _check_pair(ref: ProbeDump, run: ProbeDump) -> str:
                                   f"compare it with a one-rank run, not {other.path} ({_world(other.meta)} ranks)")
         return "device"
     rm, um = ref.meta, run.meta
-    if rm.get("model") != um.get("model"):
-        diff = _dict_diff(rm.get("model"), um.get("model"))
+    diff = _dict_diff(ref.model, run.model)
+    if diff:
         raise ProbeInputError(f"the dumps are of different models ({diff}): {ref.path} vs {run.path}; compare runs "
                               "of one model")
     for rel in ("megatron-core", "deepspeed", "transformers"):
@@ -212,11 +217,10 @@ def _world(meta: dict[str, Any]) -> int:
     return int(meta.get("world", 1))
 
 
-def _dict_diff(a: Any, b: Any) -> str:
-    if not (isinstance(a, dict) and isinstance(b, dict)):
-        return f"{a!r} vs {b!r}"
-    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
-    return ", ".join(f"{k} {a.get(k)!r} vs {b.get(k)!r}" for k in keys)
+def _dict_diff(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The fields both dicts know (not None) and disagree on, as ``k a vs b``."""
+    keys = [k for k in dict.fromkeys([*a, *b]) if a.get(k) is not None and b.get(k) is not None and a[k] != b[k]]
+    return ", ".join(f"{k} {a[k]!r} vs {b[k]!r}" for k in keys)
 
 
 # ----------------------------------------------------------------------------- one side
@@ -232,7 +236,7 @@ class _Record:
 
 
 def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, notes: list[str],
-          name: str) -> dict[Slot, Side]:
+          name: str, unmatched: dict[str, str]) -> dict[Slot, Side]:
     records: dict[Slot, list[_Record]] = defaultdict(list)
     ordinals: dict[tuple, int] = defaultdict(int)
     recomputed = 0
@@ -255,6 +259,7 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
             else:
                 mb = mapper(e.micro_batch, coords) if mapper else None
                 if mb is None:
+                    unmatched[name] = why
                     notes.append(f"the {name}'s micro-batches cannot be matched ({why}): only per-iteration "
                                  "entries (parameter gradients, parameters after the step) compare")
                     continue
@@ -322,6 +327,11 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
         side.refused = f"its ranks disagree on the layout ({sorted(layouts)} over {sorted(groups)})"
         return side
     layout, grp = layouts.pop(), groups.pop()
+    stages = {r.coords.get("pp", 0) for r in recs}
+    if len(stages) > 1:
+        side.refused = (f"recorded on {len(stages)} pipeline stages: a {e0.cls or 'module'} each stage runs its own "
+                        "part of, no one tensor to compare")
+        return side
     meta = dump.ranks[(slot.iteration, recs[0].rank)].meta
     lay = meta.get("layout") or {}
     if layout in ("partial", "unknown") and all(int(lay.get(d) or 1) == 1 for d in ("tp", "cp", "ep", "etp")):
@@ -369,7 +379,8 @@ def _joined_shape(members: list[_Record], groups: Iterable[str]) -> tuple[int, .
     dims = dict(members[0].stats.dims)
     shapes = [m.stats.shape for m in members]
     nd = len(shapes[0])
-    if not dims or any(dict(m.stats.dims) != dims for m in members) or any(len(s) != nd for s in shapes):
+    if not dims or any(dict(m.stats.dims) != dims or m.stats.flat for m in members) or \
+            any(len(s) != nd for s in shapes):
         return None
     split = {g: dims[g] % nd for g in groups if g in dims and -nd <= dims[g] < nd}
     if not split:

@@ -114,9 +114,12 @@ class RankDump:
         return key
 
     def params(self, module: str, cls: str, tensors: dict[str, torch.Tensor], *, layer: int,
-               phase: str = "parameters_grad", layout: dict[str, Any] | None = None) -> str:
+               phase: str = "parameters_grad", layout: dict[str, Any] | None = None,
+               shard: tuple[int, int, int] | None = None) -> str:
+        """``shard`` (start, end, numel): each tensor is that flat slice of its parameter (``ps_shard``)."""
         key = self._key(module, cls, phase)
-        self.data[key] = {**{n: [stats(t, layout)] for n, t in tensors.items()},
+        extra = {} if shard is None else {"ps_shard": dict(zip(("start", "end", "numel"), shard))}
+        self.data[key] = {**{n: [{**stats(t, layout), **extra}] for n, t in tensors.items()},
                           **self._ps(module, cls, phase, layer, -1)}
         return key
 
