@@ -48,7 +48,7 @@ def _worker(args: argparse.Namespace) -> None:
     from portspeed.adapters.cpu import CpuAccelerator
     from portspeed import comm
     from portspeed.comm import router
-    from portspeed.comm.capabilities import capabilities_for
+    from portspeed.accelerator.capabilities import capabilities_for
     from portspeed.patches.torch_distributed import PATCHES
 
     warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's all_gather_into_tensor is deprecated
@@ -148,7 +148,7 @@ def _decision_only() -> None:
     from portspeed import comm
     from portspeed.adapters.cpu import CpuAccelerator
     from portspeed.comm import router
-    from portspeed.comm.capabilities import capabilities_for
+    from portspeed.accelerator.capabilities import capabilities_for
     from portspeed.patches.torch_distributed import PATCHES
 
     portspeed.set_accelerator(CpuAccelerator())
