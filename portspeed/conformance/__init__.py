@@ -10,13 +10,16 @@ This kit is what a vendor (or a user) runs on its own machine against any adapte
   portable Transformer Engine's reference, values and gradients, fp32 and bf16 (``kernels.py``);
 - ``collectives``: every collective Megatron and DeepSpeed use, through portspeed's router
   with ``"nccl"`` requested, on device tensors, value for value against a single-process
-  reference (gaps the adapter declares are rewritten);
+  reference (gaps the adapter declares are rewritten; a gap it does not declare is reported as
+  the ``BackendGaps`` field to write, and with ``--declared-gaps`` a declared one the library
+  does not have as one that can go: ``gaps``);
 - ``training``: the example GPT trainer (megatron-core, TP2 on 2 ranks, fp32) compared with
   the CPU loss record shipped in this package.
 
-Run it with ``portspeed conformance --adapter NAME`` (exit 0: every check passed). The
-portspeed test device (``--adapter testdev``, a test device, not hardware) is its first
-customer and runs it in CI.
+Run it with ``portspeed conformance --adapter NAME`` (``NAME``: an adapter's name,
+``module:Class`` or ``path/to/file.py:Class``; exit 0: every check passed). The portspeed test
+device (a test device, not hardware) is its first customer: CI runs it as a new vendor's
+one-file adapter, ``examples/vendor_adapter.py``.
 """
 
 from __future__ import annotations
