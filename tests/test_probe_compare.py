@@ -359,7 +359,7 @@ def test_forward_comes_first_and_backward_runs_in_reverse(tp1: Path, tmp_path: P
 def test_the_first_line_and_its_context(tp1: Path, tmp_path: Path) -> None:
     """The exact first line (the worst statistic, both values, the band), then the last agreeing tensors, the
     next differing ones and the module's parameter gradients."""
-    shift = lambda x: x + 1e-3 * x.square().mean().sqrt().item()  # noqa: E731  (moves the Mean by 100 bands)
+    shift = lambda x: x + 1e-3 * x.square().mean().sqrt().item()  # noqa: E731  (moves the Mean by 10 bands)
     run = record(tmp_path / "exact", tweak=lambda k, r, x: shift(x) if k[2:] == (1, 1) and k[0] == "forward" else x)
     code, out, _ = probe(tp1, run)
     assert code == 1
@@ -368,7 +368,7 @@ def test_the_first_line_and_its_context(tp1: Path, tmp_path: Path) -> None:
     rms = ref["Norm"] / math.sqrt(x.numel())
     lines = out.splitlines()
     assert lines[0] == (f"first divergence: iteration 1, micro-batch 0, forward, {fc(1, 1)}, rank 0: "
-                        f"Mean ref {ref['Mean']:.9g} run {got['Mean']:.9g} (band {1e-5 * rms:.3g})")
+                        f"Mean ref {ref['Mean']:.9g} run {got['Mean']:.9g} (band {1e-4 * rms:.3g})")
     i = lines.index("last agreeing:")
     assert [ln.split(", ")[3] for ln in lines[i + 1:i + 4]] == ["embedding", fc(0, 1), fc(0, 2)]
     assert all("agrees (exactly equal)" in ln for ln in lines[i + 1:i + 4])
@@ -381,11 +381,11 @@ def test_the_first_line_and_its_context(tp1: Path, tmp_path: Path) -> None:
 
 def test_identical_runs_compare_rank_by_rank_as_a_device_pair(tmp_path: Path) -> None:
     """Same layout, another device: a device pair, every rank against the same rank, exit 0; an output off by
-    2e-5 relative (twice the fp32 band) on one rank is named there."""
+    2e-4 relative (twice the fp32 band) on one rank is named there."""
     a = record(tmp_path / "a", tp=2, dp=2)
     assert probe(a, record(tmp_path / "b", tp=2, dp=2, device="testdev", noise=1e-7))[0] == 0
     code, out, _ = probe(a, record(tmp_path / "c", tp=2, dp=2, device="testdev",
-                                   tweak=off_by(2e-5, lambda k, r: k == ("forward", 3, 0, 1) and r == 3)))
+                                   tweak=off_by(2e-4, lambda k, r: k == ("forward", 3, 0, 1) and r == 3)))
     assert code == 1 and out.startswith(f"first divergence: iteration 1, micro-batch 1, forward, {fc(0, 1)}, rank 3: ")
 
 
