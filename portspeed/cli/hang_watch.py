@@ -89,7 +89,7 @@ def check(value: str | None) -> float | None:
     return s.hang_timeout
 
 
-def prepare(hang_s: float | None) -> str | None:
+def prepare() -> str | None:
     """The dump folder whenever recording is on (made now, named in one line, set for the workers); None when off."""
     s = config.settings()
     if s.trace == 0:

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         hang_s = hang_watch.check(args.hang_timeout)
-        folder = hang_watch.prepare(hang_s)
+        folder = hang_watch.prepare()
     except PortspeedError as exc:
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
