@@ -8,6 +8,13 @@
 // returns, a device output holds what it held before: code that forgets to wait, or frees
 // a buffer too early, gets a wrong answer here as it would on an accelerator.
 //
+// torch >= 2.15 (C10D_BACKEND_HAS_HOOKS): completion and abort hooks, as a vendor's C++ CCL offers
+// them, so torch's FlightRecorderHook (attached by default to a C++ backend that does not record
+// itself) shows an entry "completed" once its staged Gloo call finished (pushed from Gloo's future,
+// or at wait() for Gloo's sends and receives, which have none), and dumps its buffer
+// when a staged call fails (the abort hooks run before the error reaches the caller). Older torch
+// builds the same backend without them.
+//
 // Declared gaps, like a vendor CCL's (the adapter declares the same ones to the router):
 //   * ReduceOp AVG and PREMUL_SUM are refused by every reducing collective;
 //   * bfloat16 is refused by reduce-scatter (list, tensor and coalesced forms).
@@ -19,6 +26,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
+#include <atomic>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -69,20 +79,79 @@ std::vector<std::vector<at::Tensor>> lists_like(const std::vector<std::vector<at
   return out;
 }
 
+#ifdef C10D_BACKEND_HAS_HOOKS
+// The backend's completion and abort hooks, shared with its works (a work may outlive the backend).
+struct Hooks {
+  std::mutex mutex;
+  std::map<int64_t, c10d::CompletionHook> completion;
+  std::map<int64_t, c10d::AbortHook> abort;
+
+  void completed(uint64_t key) {
+    std::vector<c10d::CompletionHook> run;
+    {
+      std::lock_guard<std::mutex> lock(mutex);  // copied out: a hook must not run under the table's lock
+      for (auto& [id, hook] : completion) run.push_back(hook);
+    }
+    c10d::CompletionHookArgs args;
+    args.completionKey = key;
+    for (auto& hook : run) hook(args);
+  }
+
+  void aborted() {
+    std::vector<c10d::AbortHook> run;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      for (auto& [id, hook] : abort) run.push_back(hook);
+    }
+    for (auto& hook : run) hook();
+  }
+};
+#else
+struct Hooks {
+  void completed(uint64_t) {}
+  void aborted() {}
+};
+#endif
+
 // The work of one staged collective: waits for Gloo, then copies host results back into
 // the device tensors (once, whoever asks first: wait() or the future).
 class StagedWork final : public Work {
  public:
   StagedWork(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> copy_back, c10d::OpType type,
-             std::vector<at::Tensor> keep_alive, int rank)
+             std::vector<at::Tensor> keep_alive, int rank, std::shared_ptr<Hooks> hooks)
       : Work(rank, type), inner_(std::move(inner)), copy_back_(std::move(copy_back)),
-        keep_alive_(std::move(keep_alive)) {}
+        keep_alive_(std::move(keep_alive)), hooks_(std::move(hooks)) {}
 
   bool wait(std::chrono::milliseconds timeout) override {
-    if (inner_) inner_->wait(timeout);
+    if (inner_) {
+      try {
+        inner_->wait(timeout);
+      } catch (...) {
+        failed();
+        throw;
+      }
+    }
     finish_copy();
+    succeeded();
     return true;
   }
+
+  // Gloo finished the staged call: push completion (once) or, on its error, run the abort hooks. Called from
+  // the inner future's callback (Gloo's thread) and from wait(); the key is this work's, which torch saw.
+#ifdef C10D_BACKEND_HAS_HOOKS
+  void succeeded() {
+    if (!hooks_ || told_.exchange(true)) return;
+    hooks_->completed(getCompletionKey());
+  }
+
+  void failed() {
+    if (!hooks_ || told_.exchange(true)) return;
+    hooks_->aborted();
+  }
+#else
+  void succeeded() {}
+  void failed() {}
+#endif
 
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -90,6 +159,8 @@ class StagedWork final : public Work {
   }
 
   bool isSuccess() const override { return inner_ ? inner_->isSuccess() : true; }
+
+  Work* inner() const { return inner_.get(); }
 
   std::vector<at::Tensor> result() override {
     std::vector<at::Tensor> out;
@@ -130,6 +201,8 @@ class StagedWork final : public Work {
   WorkPtr inner_;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back_;  // (device destination, host source)
   std::vector<at::Tensor> keep_alive_;                          // host inputs Gloo still reads
+  std::shared_ptr<Hooks> hooks_;                                // null: nobody listens
+  std::atomic<bool> told_{false};                               // completion or abort pushed
   std::mutex mutex_;
   bool copied_ = false;
 };
@@ -288,8 +361,29 @@ class TestCCL final : public c10d::Backend {
     c10d::BarrierOptions host_opts = opts;
     host_opts.device_ids.clear();
     host_opts.device = std::nullopt;
-    return gloo_->barrier(host_opts);
+    return staged(gloo_->barrier(host_opts), {}, c10d::OpType::BARRIER);
   }
+
+#ifdef C10D_BACKEND_HAS_HOOKS
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t hook_id, c10d::CompletionHook hook) override {
+    std::lock_guard<std::mutex> lock(hooks_->mutex);
+    hooks_->completion[hook_id] = std::move(hook);
+  }
+  void unregisterCompletionHook(int64_t hook_id) override {
+    std::lock_guard<std::mutex> lock(hooks_->mutex);
+    hooks_->completion.erase(hook_id);
+  }
+  bool supportsAbortHooks() const override { return true; }
+  void registerAbortHook(int64_t hook_id, c10d::AbortHook hook) override {
+    std::lock_guard<std::mutex> lock(hooks_->mutex);
+    hooks_->abort[hook_id] = std::move(hook);
+  }
+  void unregisterAbortHook(int64_t hook_id) override {
+    std::lock_guard<std::mutex> lock(hooks_->mutex);
+    hooks_->abort.erase(hook_id);
+  }
+#endif
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
     gloo_->monitoredBarrier(opts, wait_all_ranks);
@@ -309,7 +403,22 @@ class TestCCL final : public c10d::Backend {
 
   WorkPtr staged(WorkPtr inner, std::vector<std::pair<at::Tensor, at::Tensor>> back, c10d::OpType type,
                  std::vector<at::Tensor> keep_alive = {}) {
-    return c10::make_intrusive<StagedWork>(std::move(inner), std::move(back), type, std::move(keep_alive), getRank());
+    auto work = c10::make_intrusive<StagedWork>(std::move(inner), std::move(back), type, std::move(keep_alive), getRank(),
+                                                hooks_);
+#ifdef C10D_BACKEND_HAS_HOOKS
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {  // Gloo's sends and receives have no future ("Work::getFuture not implemented"): pushed at wait()
+      if (work->inner()) future = work->inner()->getFuture();
+    } catch (const c10::Error&) {
+    }
+    if (future) {  // completion pushed as soon as Gloo's call is done, waited or not
+      c10::weak_intrusive_ptr<StagedWork> weak(work);
+      future->addCallback([weak](c10::ivalue::Future& done) {
+        if (auto w = weak.lock()) done.hasError() ? w->failed() : w->succeeded();
+      });
+    }
+#endif
+    return work;
   }
 
   void check_reduce_op(const c10d::ReduceOp& op, const char* collective) const {
@@ -329,6 +438,7 @@ class TestCCL final : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::shared_ptr<Hooks> hooks_ = std::make_shared<Hooks>();
 };
 
 }  // namespace
