@@ -10,8 +10,9 @@ where ZeRO keeps its state: ``offload`` the optimizer on the host (ZeRO-Offload)
 ``offload_param`` the ZeRO-3 parameters and optimizer on the host, ``nvme`` both on disk
 under ``--nvme-dir`` through DeepSpeed's async I/O op (ZeRO-Infinity); ``sgd`` or ``adam``
 (DeepSpeed's Adam: ``DeepSpeedCPUAdam`` when offloaded); ``overflow`` (fp16, which uses
-dynamic loss scaling: step ``--overflow-at`` overflows and must be skipped)) go through one
-process group, one fresh model and engine each. Rank 0 writes a JSON record::
+dynamic loss scaling: step ``--overflow-at`` overflows and must be skipped); ZeRO++ (ZeRO-3:
+``qwz`` quantized weights, ``qgz`` quantized gradients, ``hpz`` a secondary partition over all
+ranks)) go through one process group, one fresh model and engine each. Rank 0 writes a JSON record::
 
     {"world_size": 2, "backend": "gloo", "ds_accelerator": "PortspeedCpuAccelerator",
      "routes": [...], "runs": {"2:fp32": {"start_step": 0, "losses": [...]}, ...}}
@@ -38,6 +39,8 @@ STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
 #: where ZeRO keeps optimizer state / parameters: "" (with the model), and the stage each needs at least
 OFFLOADS = {"offload": 1, "offload_param": 3, "nvme": 3}
+#: ZeRO++ options (ZeRO-3 only): their DeepSpeed settings (hpz: the secondary partition spans the world)
+ZEROPP = {"qwz": "zero_quantized_weights", "qgz": "zero_quantized_gradients", "hpz": "zero_hpz_partition_size"}
 #: the dtype's torch name, for the inputs
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -51,6 +54,7 @@ class Run(NamedTuple):
     where: str
     optimizer: str | None  # None: --optimizer
     overflow: bool
+    zeropp: tuple[str, ...] = ()  # of ZEROPP
 
 
 def parse_runs(text: str) -> list[Run]:
@@ -62,17 +66,19 @@ def parse_runs(text: str) -> list[Run]:
         words = [w for w in opts.split("+") if w]
         where = [w for w in words if w in OFFLOADS]
         optimizer = [w for w in words if w in ("sgd", "adam")]
+        zeropp = tuple(w for w in words if w in ZEROPP)
         bad = (not sep or not stage.isdigit() or int(stage) not in STAGES or dtype not in DTYPES
                or len(where) > 1 or len(optimizer) > 1 or len(words) != len(set(words))
-               or any(w not in OFFLOADS and w not in ("sgd", "adam", "overflow") for w in words)
-               or (where and int(stage) < OFFLOADS[where[0]]) or ("overflow" in words and dtype != "fp16"))
+               or any(w not in OFFLOADS and w not in ZEROPP and w not in ("sgd", "adam", "overflow") for w in words)
+               or (where and int(stage) < OFFLOADS[where[0]]) or ("overflow" in words and dtype != "fp16")
+               or (zeropp and int(stage) != 3))
         if bad:
             raise argparse.ArgumentTypeError(
                 f"--runs item {item!r} must be STAGE:DTYPE[:OPTIONS] with STAGE in {STAGES}, DTYPE in {DTYPES} and "
                 "OPTIONS '+'-joined from: offload (ZeRO 1-3), offload_param or nvme (ZeRO-3); sgd or adam; overflow "
-                "(fp16); e.g. '0:fp32,3:bf16,2:fp32:offload+adam,2:fp16:overflow'")
+                "(fp16); qwz, qgz, hpz (ZeRO++, ZeRO-3); e.g. '0:fp32,3:bf16,2:fp32:offload+adam,3:fp16:qwz+qgz+hpz'")
         out.append(Run(item, int(stage), dtype, where[0] if where else "", optimizer[0] if optimizer else None,
-                       "overflow" in words))
+                       "overflow" in words, zeropp))
     if not out:
         raise argparse.ArgumentTypeError("--runs needs at least one STAGE:DTYPE item")
     return out
@@ -84,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated ZeRO_STAGE:DTYPE[:OPTIONS] runs (default 2:fp32); OPTIONS joined by '+': "
                         "offload (optimizer state and step on the host), offload_param (ZeRO-3: parameters too), "
                         "nvme (ZeRO-3: both on disk under --nvme-dir); sgd / adam (else --optimizer); overflow "
-                        "(fp16: step --overflow-at overflows)")
+                        "(fp16: step --overflow-at overflows); qwz / qgz / hpz (ZeRO-3: ZeRO++'s quantized weights, "
+                        "quantized gradients, secondary partition over all ranks)")
     p.add_argument("--nvme-dir", default=None, help="directory for nvme runs (a local disk)")
     p.add_argument("--overflow-at", type=int, default=2,
                    help="the step (from 0) whose scaled gradients overflow in 'overflow' runs (it must be skipped)")
@@ -112,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sgd: a client torch SGD (momentum 0.9); adam: DeepSpeed's own Adam from the config "
                         "(DeepSpeedCPUAdam, a host kernel JIT-built on first use, in offload runs; torch's Adam "
                         "otherwise)")
+    p.add_argument("--gradient-clipping", type=float, default=None,
+                   help="DeepSpeed's gradient_clipping (default: DeepSpeed's own, 1.0 in 0.19; 0 turns it off)")
+    p.add_argument("--count-all-to-all", action="store_true",
+                   help="count torch.distributed.all_to_all_single calls per run and dtype (qgZ's quantized "
+                        "gradients travel as int8), into the record")
     p.add_argument("--out", default=None, help="JSON file rank 0 writes the losses to")
     return p
 
@@ -142,14 +154,16 @@ def make_data(args: argparse.Namespace) -> tuple[Any, Any]:
     return x, y
 
 
-def make_model(seed: int) -> Any:
+def make_model(seed: int, last_bias: bool = True) -> Any:
+    """The MLP; ZeRO++ runs leave out the last bias: DeepSpeed's weight quantizer needs every gathered
+    slice to hold a multiple of 8 elements, and the 8-element bias gives 4 per rank on 2 ranks."""
     import torch
 
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.Tanh(),
         torch.nn.Linear(64, 64), torch.nn.Tanh(),
-        torch.nn.Linear(64, 8),
+        torch.nn.Linear(64, 8, bias=last_bias),
     )
 
 
@@ -160,8 +174,10 @@ BUCKET = 1 << 16
 
 
 def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: str = "",
-              adam_lr: float | None = None, nvme_dir: str | None = None) -> dict[str, Any]:
-    """The DeepSpeed config of one run; ``offload``: "", "offload", "offload_param" or "nvme" (see --runs)."""
+              adam_lr: float | None = None, nvme_dir: str | None = None,
+              zeropp: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The DeepSpeed config of one run; ``offload``: "", "offload", "offload_param" or "nvme"; ``zeropp``: of
+    ZEROPP (see --runs)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "reduce_bucket_size": BUCKET,
@@ -170,6 +186,8 @@ def ds_config(stage: int, dtype: str, global_batch: int, world: int, offload: st
         # 0: ZeRO-3 partitions every parameter (the default, 1e5, keeps this small model whole)
         "stage3_param_persistence_threshold": 0,
     }
+    for option in zeropp:
+        zero[ZEROPP[option]] = world if option == "hpz" else True
     if offload == "nvme":
         if not nvme_dir:
             raise SystemExit("an nvme run needs --nvme-dir (a directory on a local disk)")
@@ -256,6 +274,30 @@ def rank_devices(tensor: Any) -> list[str]:
     return [kind if i == 0 else f"{kind}:{i - 1}" for i in ids.cpu().tolist()]
 
 
+#: all_to_all_single calls by input dtype (``--count-all-to-all``)
+ALL_TO_ALL: dict[str, int] = {}
+
+
+def count_all_to_all() -> None:
+    """Count ``torch.distributed.all_to_all_single`` calls by dtype (DeepSpeed's comm calls it through the module)."""
+    import torch.distributed as dist
+
+    inner = dist.all_to_all_single
+
+    def all_to_all_single(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002
+        key = str(input.dtype).replace("torch.", "")
+        ALL_TO_ALL[key] = ALL_TO_ALL.get(key, 0) + 1
+        return inner(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def quantizer_calls() -> dict[str, int]:
+    """portspeed's torch quantizer op counts in this process (empty without portspeed, or before ZeRO++ loads it)."""
+    module = sys.modules.get("portspeed.integrations.ds_quantizer")
+    return module.counters() if module is not None else {}
+
+
 def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: Any = None) -> dict[str, Any]:
     """One engine: train (or resume), return the global per-step losses (fp16: loss scales and skips too)."""
     import deepspeed
@@ -267,14 +309,16 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
     micro = args.global_batch // world
-    model = make_model(args.seed)
-    if (run.optimizer or args.optimizer) == "sgd":
+    model = make_model(args.seed, last_bias=not run.zeropp)
+    sgd = (run.optimizer or args.optimizer) == "sgd"
+    config = ds_config(stage, dtype, args.global_batch, world, offload, adam_lr=None if sgd else args.lr / 5,
+                       nvme_dir=args.nvme_dir, zeropp=run.zeropp)
+    if args.gradient_clipping is not None:
+        config["gradient_clipping"] = args.gradient_clipping
+    if sgd:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        config = ds_config(stage, dtype, args.global_batch, world, offload, nvme_dir=args.nvme_dir)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu, config=config)
     else:
-        config = ds_config(stage, dtype, args.global_batch, world, offload, adam_lr=args.lr / 5,
-                           nvme_dir=args.nvme_dir)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
                                                config=config)
     tag = "zero" + run.key.replace(":", "_").replace("+", "_")
@@ -285,6 +329,8 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
             raise SystemExit(f"no checkpoint {tag!r} under {args.resume_from}; save one with --save-dir first")
         start = args.save_at
     x, y = data
+    calls_before = quantizer_calls()
+    a2a_before = dict(ALL_TO_ALL)
     in_dtype = getattr(torch, TORCH_DTYPES[dtype])
     losses: list[float] = []
     fp16: dict[str, list[Any]] = {"scale": [], "skipped": [], "param_sum": []}
@@ -301,6 +347,8 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
             loss_for_backward = loss
         # the planted overflow: the loss is scaled by 2**16 and more, its fp16 gradients become inf
         engine.backward(loss_for_backward * 1e30 if run.overflow and step == args.overflow_at else loss_for_backward)
+        # hpZ: the secondary partitions the forward and backward built (the optimizer step drops them)
+        secondary = sum(1 for p in engine.module.parameters() if getattr(p, "ds_secondary_tensor", None) is not None)
         engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -322,6 +370,14 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
                           else engine.optimizer).__name__,
         # ZeRO-3: how many parameters this rank holds only a slice of (the rest gathered on use)
         "partitioned_params": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),
+        # hpZ: parameters with a secondary partition before the last optimizer step
+        "secondary_partitions": secondary,
+        # what DeepSpeed counts: ranks per node (its accelerator's device_count) and nodes (qgZ engages at 2)
+        "node_size": deepspeed.accelerator.get_accelerator().device_count(),
+        # portspeed's torch quantizer ops this run called (ZeRO++), and the all-to-alls by dtype (--count-all-to-all)
+        "quantizer_calls": {k: v - calls_before.get(k, 0) for k, v in quantizer_calls().items()
+                            if v != calls_before.get(k, 0)},
+        "all_to_all": {k: v - a2a_before.get(k, 0) for k, v in ALL_TO_ALL.items() if v != a2a_before.get(k, 0)},
     }
     engine.destroy()
     return {"start_step": start, "losses": losses, **placement, **({"fp16": fp16} if dtype == "fp16" else {})}
@@ -343,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     import torch.distributed as dist
 
+    if args.count_all_to_all:
+        count_all_to_all()
     if args.torch_dist_first:
         dist.init_process_group(args.dist_backend or "gloo")
     deepspeed.init_distributed(dist_backend=args.dist_backend, distributed_port=args.dist_port)

@@ -41,21 +41,26 @@ class RankResult:
 
 
 def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
-              env: dict[str, str] | None = None) -> list[RankResult]:
+              env: dict[str, str] | None = None, ranks_per_node: int | None = None) -> list[RankResult]:
     """Run ``python argv...`` once per rank with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set.
 
-    Every rank gets OMP_NUM_THREADS=1 and PYTHONFAULTHANDLER=1. After ``timeout`` seconds the remaining ranks are
-    killed and their returncode is None.
+    ``ranks_per_node`` (default: all ranks on one node) splits the ranks into nodes as a multi-node
+    launcher would (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK per node), all on this machine: 1 makes
+    every rank a node of its own. Every rank gets OMP_NUM_THREADS=1 and PYTHONFAULTHANDLER=1. After
+    ``timeout`` seconds the remaining ranks are killed and their returncode is None.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    per_node = world_size if ranks_per_node is None else ranks_per_node
+    if per_node < 1 or world_size % per_node:
+        raise ValueError(f"ranks_per_node {ranks_per_node} must divide the world size {world_size}")
     port = free_port()
     procs = []
     for rank in range(world_size):
         e = dict(os.environ)
         e.update(env or {})
-        e.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                  "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+        e.update({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "WORLD_SIZE": str(world_size),
+                  "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node), "MASTER_ADDR": "127.0.0.1",
                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
         e.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that aborts leaves its Python stacks
         procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE,
