@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Parallel", "UNKNOWN", "output_layout", "param_layout", "op_layout", "FULL"]
+__all__ = ["Parallel", "UNKNOWN", "output_layout", "param_layout", "op_layout", "unknown", "grad_layout", "FULL"]
 
 FULL = "full"
 UNKNOWN = "unknown"
@@ -83,9 +83,24 @@ def _row(module: Any, p: Parallel) -> dict[str, Any]:
     return _make({"cp": 0}, [], ["tp"], p)
 
 
-def output_layout(module: Any, index: int, p: Parallel) -> dict[str, Any]:
-    """The layout of output ``index`` (0-based over the module's output tensors) of ``module``."""
+#: modules known by their place (the last segment of their path) whatever their class
+_HEADS = {"q_layernorm", "k_layernorm"}  # [s, b, heads, head_dim]: this rank's heads
+_PROBS = {"scale_mask_softmax", "attention_dropout"}  # [b, heads, sq, sk]: attention probabilities
+
+
+def unknown(p: Parallel) -> dict[str, Any]:
+    """An input's layout, or any tensor with no rule: full when nothing is parallel, else unknown."""
+    return _unknown(p)
+
+
+def output_layout(module: Any, index: int, p: Parallel, name: str = "") -> dict[str, Any]:
+    """The layout of output ``index`` (0-based over the module's flattened outputs) of ``module``, whose path
+    ends in ``name``."""
     cls = type(module).__name__
+    if name in _HEADS:
+        return _make({"tp": -2, "cp": 0}, [], [], p)
+    if name in _PROBS or cls == "FusedScaleMaskSoftmax":
+        return _make({"tp": 1}, [], [], p)
     if cls in _COLUMN:
         if index == 0:
             return _make({"tp": -1, "cp": 0}, [], [], p)
@@ -114,6 +129,17 @@ def output_layout(module: Any, index: int, p: Parallel) -> dict[str, Any]:
     if cls == "RotaryEmbedding":
         return _make({"cp": 0}, [], ["tp"], p)
     return _unknown(p)
+
+
+def grad_layout(module: Any, index: int, p: Parallel, name: str = "") -> dict[str, Any]:
+    """The layout of the gradient of output ``index``: the output's, except the bias a row-parallel linear hands back
+    under sequence parallelism (added to this rank's sequence part only, its gradient is a partial sum over tp)."""
+    cls = type(module).__name__
+    if index > 0 and p.sp:
+        owner = getattr(module, _ROW_OWNERS[cls], None) if cls in _ROW_OWNERS else module
+        if type(owner).__name__ in _ROW:
+            return _make({}, ["tp"], [], p)
+    return output_layout(module, index, p, name)
 
 
 def param_layout(module: Any, name: str, p: Parallel, *, shard: bool = False) -> dict[str, Any]:

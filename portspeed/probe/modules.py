@@ -70,6 +70,14 @@ class ModuleInfo:
     open_calls: list[int] = dataclasses.field(default_factory=list)  # op level: calls entered, not yet left
     awaiting_recompute: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
+    def layout(self, index: int, parallel: lay.Parallel) -> dict[str, Any]:
+        """The layout of this module's output ``index`` (and of its gradient)."""
+        return lay.output_layout(self.module, index, parallel, self.path.rsplit(".", 1)[-1])
+
+    def grad_layout(self, index: int, parallel: lay.Parallel) -> dict[str, Any]:
+        """The layout of the gradient of this module's output ``index``."""
+        return lay.grad_layout(self.module, index, parallel, self.path.rsplit(".", 1)[-1])
+
 
 def _renames(root: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
     """local path -> (its last segment renamed, expert) for Megatron's layers and local experts."""
@@ -214,12 +222,11 @@ class ModuleHooks:
             return info.layer
         return self.table.num_layers if self._seen_layer else -1
 
-    def _base(self, info: ModuleInfo, phase: str, n: int, mb: int, chunk: int) -> dict[str, Any]:
+    def _base(self, info: ModuleInfo, phase: str, mb: int, chunk: int) -> dict[str, Any]:
         e = {"ps_micro_batch": mb, "ps_chunk": chunk, "ps_phase": phase, "ps_module": info.path,
              "ps_class": info.cls, "ps_local_path": info.local_path, "ps_layer": self._layer_of(info)}
         if info.expert is not None:
             e["ps_expert"] = info.expert
-        del n
         return e
 
     def _post_hook(self, info: ModuleInfo) -> Callable:
@@ -252,18 +259,18 @@ class ModuleHooks:
     def _forward_entry(self, info: ModuleInfo, key: str, n: int, args: tuple, kwargs: dict, leaves: list,
                        mb: int, chunk: int, *, recompute: bool) -> None:
         rec = self.record
-        entry = self._base(info, "forward", n, mb, chunk)
+        entry = self._base(info, "forward", mb, chunk)
         if recompute:
             entry["ps_recompute"] = True
         save = rec.saves(key)
         if rec.full and (self.inputs or save):
-            inp = lay.output_layout(None, 0, self.parallel)  # an input's spread is its producer's: unknown
+            inp = lay.unknown(self.parallel)  # an input's spread is its producer's: unknown here
             entry["input_args"] = [rec.value(a, key, "input_args", i, inp, save) for i, a in enumerate(args)]
             entry["input_kwargs"] = {k: rec.value(v, key, f"input_kwargs.{k}", 0, inp, save)
                                      for k, v in kwargs.items()}
         elif rec.full:
             entry["input_args"], entry["input_kwargs"] = [], {}
-        entry["output"] = [rec.value(t, key, "output", i, lay.output_layout(info.module, i, self.parallel), save)
+        entry["output"] = [rec.value(t, key, "output", i, info.layout(i, self.parallel), save)
                            for i, t in enumerate(leaves)]
         rec.add(key, entry)
         parent = self._parent_key(info, "forward")
@@ -295,11 +302,10 @@ class ModuleHooks:
                 return None
             entry = rec.entries.get(key)
             if entry is None:
-                entry = rec.add(key, {**self._base(info, "backward", n, mb, chunk), "input": [None] * width,
+                entry = rec.add(key, {**self._base(info, "backward", mb, chunk), "input": [None] * width,
                                       "output": []})
                 self.parents[key] = None
-            entry["input"][i] = rec.tensor(g, key, "input", i, lay.output_layout(info.module, i, self.parallel),
-                                           rec.saves(key))
+            entry["input"][i] = rec.tensor(g, key, "input", i, info.grad_layout(i, self.parallel), rec.saves(key))
             return None
         return grad
 

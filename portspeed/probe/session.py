@@ -165,8 +165,8 @@ class ProbeSession:
 
     def _params_entry(self, phase: str, optimizer: Any) -> None:
         rec = self.record
-        if rec is None or not rec.full or self._params[phase]:
-            return
+        if rec is None or self._params[phase] or (not rec.full and phase != "parameters_grad"):
+            return  # the NaN watch checks gradients (a NaN reduced in from another rank shows there), not values
         self._params[phase] = True
         self.forward_backward_done()
         record_params(rec, self.table, self.parallel, phase, optimizer)
