@@ -476,3 +476,62 @@ def test_probe_errors_are_one_line(tmp_path: Path) -> None:
         with pytest.raises(ProbeInputError, match=words) as e:
             read_dump(p)
         assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ real runs of the example trainer
+
+#: small enough for short launches, big enough for TP2, two micro-batches and a layer 1 (as tests/test_probe_record.py)
+REAL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "64", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+        "--seed", "1234", "--iters", "1"]
+#: run name -> (ranks, the example's flags, environment); the example initialises on the host (one set of weights
+#: for every TP layout), so no shared checkpoint is needed without pipeline stages
+REAL_RUNS = {"tp1": (1, [], {}), "tp2": (2, ["--tp", "2"], {}),
+             "tp2-avg": (2, ["--tp", "2", "--plant-reduce-avg", "1:1"], {}),
+             "testdev": (1, [], {"PORTSPEED_ACCELERATOR": "testdev"})}
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Iteration 1 of the example trainer probed by `portspeed run --probe` as TP1, TP2, TP2 with layer 1's
+    row-parallel all_reduce averaged (TEST-ONLY plant), and TP1 on the test device."""
+    from helpers.launch import free_port, run_python
+    from helpers.requires import require
+    require("megatron.core", "pip install 'portspeed[megatron]'")
+    root = tmp_path_factory.mktemp("real")
+    for name, (n, flags, env) in REAL_RUNS.items():
+        for attempt in range(2):
+            res = run_python(["-m", "portspeed.cli", "run", "--probe", str(root / name), "--nproc-per-node", str(n),
+                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                              "examples/pretrain_gpt.py", *REAL, *flags], timeout=300, env=env, drop=("PORTSPEED_*",))
+            if res.returncode == 0 or "EADDRINUSE" not in res.stderr or attempt:
+                break
+        res.check()
+    return root
+
+
+@pytest.mark.multiproc
+@pytest.mark.megatron
+def test_real_tp2_and_the_test_device_agree_with_tp1(real: Path) -> None:
+    """Clean TP2 against TP1 (a layout pair: every tensor joined or compared copy by copy, none refused) and the
+    test device against the CPU (a device pair): exit 0 at the fp32 bands."""
+    code, out, err = probe(real / "tp1", real / "tp2")
+    assert code == 0, out + err
+    report = compare_dumps(real / "tp1", real / "tp2")
+    assert report.kind == "layout" and len(report.compared) == len(report.results) > 200, out
+    assert {r.slot.phase for r in report.compared} == {"forward", "backward", "parameters_grad", "parameters_updated"}
+    code, out, err = probe(real / "tp1", real / "testdev")
+    assert code == 0 and "(device pair, fp32 device bands)" in out.splitlines()[0], out + err
+
+
+@pytest.mark.multiproc
+@pytest.mark.megatron
+def test_real_planted_all_reduce_average_is_named_across_layouts(real: Path) -> None:
+    """Layer 1's row-parallel all_reduce averaged in a TP2 run, against TP1: the first line names that layer's
+    attention output projection, forward, iteration 1, and the factor of two."""
+    code, out, _ = probe(real / "tp1", real / "tp2-avg")
+    first = out.splitlines()[0]
+    assert code == 1 and first.startswith("first divergence: iteration 1, micro-batch 0, forward, "
+                                          "decoder.layers.1.self_attention.linear_proj, rank 0: output.0 "), out
+    m = re.search(r"ref (\S+) run (\S+) \(band", first)
+    assert m and float(m[2]) / float(m[1]) == pytest.approx(0.5, rel=1e-3), first
