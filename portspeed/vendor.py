@@ -51,7 +51,14 @@ check it: ``portspeed conformance --adapter path/to/acme.py:Acme``. A worked fil
        grouped_mm(x, weights, offsets) -> y
    helpers: causal_allowed(sq, sk, bottom_right, device) (the causal rule as a mask),
             has_grouped_mm(dtype) (torch's own grouped_mm has a real kernel on the device)
-   DeepSpeed's ops: deepspeed_ops() (``{op-builder class name: "module[:attr]"}``, the device's own)
+
+4. DeepSpeed's ops (``Accelerator.deepspeed_ops()`` returns ``{op-builder class name: "module[:attr]"}``: a
+   DeepSpeed ``OpBuilder`` subclass, or the loaded op module itself; checked at DeepSpeed's import)
+
+       "QuantizerBuilder": quantize, dequantize, swizzle_quant, quantized_reduction, Symmetric, Asymmetric
+                           (ZeRO++; default: portspeed's torch ops, portspeed.integrations.ds_quantizer)
+       any other builder, e.g. "FusedAdamBuilder" (default: refused in one line naming the fix)
+   ``portspeed conformance --suites kernels`` checks the quantizer on the device against a float reference
 """
 
 from __future__ import annotations
