@@ -171,6 +171,27 @@ def run(ds: Any, dev: torch.device, tally: Tally, seed: int = 0) -> None:
                                   case=f"D {devices} per {per}")
 
 
+def input_dtypes(ds: Any, dev: torch.device) -> list[str]:
+    """qgZ's path (swizzle_quant, then dequantize) on fp16, bf16 and fp32 gradients: the error of the round trip.
+
+    DeepSpeed's coalesced_collectives hands the gradient to swizzle_quant in its own dtype; the kernel reads
+    ``__half``. portspeed's ops convert to fp16 first.
+    """
+    impl = ds if ds is not None else tq
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(dev)
+    lines = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        row = []
+        for name, ops in (("DeepSpeed" if ds is not None else "torch (dry run)", impl), ("portspeed", tq)):
+            data, scales = ops.swizzle_quant(x.to(dtype), 64, 4, ops.Symmetric, 1, 2, 1)
+            back = tq.dequantize(data, scales, 64, 4, tq.Symmetric).float().reshape(-1)
+            # swizzled [nodes 2, devices 1, groups]: the identity layout for 1 device per node
+            err = ((back - x.reshape(-1).float()).abs().max() / x.abs().max()).item()
+            row.append(f"{name} {err:.3f}")
+        lines.append(f"  {str(dtype).replace('torch.', ''):<9} " + ", ".join(row))
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--copy-to", type=Path, help="copy DeepSpeed's quantizer sources here and stop")
@@ -190,6 +211,8 @@ def main() -> int:
     run(ds, dev, tally)
     print(f"\n{'torch ops vs themselves (dry run)' if ds is None else 'torch ops vs DeepSpeed CUDA kernels'}, "
           f"{time.perf_counter() - start:.1f} s:\n{tally.render()}")
+    print("\nqgZ's swizzle_quant + dequantize, int4 groups of 64, largest error over the largest |x| "
+          "(one int4 step is 0.125):\n" + "\n".join(input_dtypes(ds, dev)))
     if tally.details:
         print("\ncases with a code more than 1 apart:\n" + "\n".join(tally.details))
     if os.environ.get("OUT"):
