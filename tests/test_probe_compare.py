@@ -423,6 +423,13 @@ def test_msprobes_own_dump_reads_as_a_one_rank_run(tp1: Path, tmp_path: Path) ->
     assert code == 0 and "msprobe's own dump" in out, out
     code, _, err = probe(tmp_path / "ms", record(tmp_path / "tp2", tp=2))
     assert code == 2 and "compare it with a one-rank run" in err
+    nested = tmp_path / "nested" / "step1" / "rank0"  # portspeed's entry keys in one field, as msprobe's compare needs
+    nested.mkdir(parents=True)
+    src["data"] = {k: {**{f: v for f, v in e.items() if not f.startswith("ps_")},
+                       "ps": {f: v for f, v in e.items() if f.startswith("ps_")}} for k, e in src["data"].items()}
+    (nested / "dump.json").write_text(json.dumps(src))
+    code, out, _ = probe(tp1, tmp_path / "nested")
+    assert code == 0 and "not compared" not in out and "compared 40 tensors" in out, out
 
 
 def test_exit_codes_through_portspeed_compare(tp1: Path, tmp_path: Path) -> None:

@@ -214,6 +214,9 @@ def _read_parents(f: Path) -> dict[str, str | None]:
 
 def _entry(key: str, raw: dict[str, Any], rank: int, iteration: int, seq: int,
            parents: dict[str, str | None], f: Path) -> Entry:
+    if isinstance(raw.get("ps"), dict):  # portspeed's keys nested in one field (msprobe's compare iterates the rest)
+        raw = {**{k: v for k, v in raw.items() if k != "ps"},
+               **{(k if k.startswith("ps_") else f"ps_{k}"): v for k, v in raw["ps"].items()}}
     m = _MODULE_KEY.match(key)
     o = None if m else _OP_KEY.match(key)
     if m:

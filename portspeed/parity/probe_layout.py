@@ -248,6 +248,9 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
         mapper, why = _mb_mapper(meta, other.meta if other.portspeed else {}, kind)
         coords = {c: int(v) for c, v in (meta.get("ranks") or {}).items() if c in _COORDS}
         scale = _grad_scale(meta, rd.path)
+        if kind == "layout" and dump.portspeed and meta.get("grad_scale") is None:
+            notes.append(f"the {name}'s gradient scale is not in its meta: its backward entries are compared as "
+                         "they are")
         for e in sorted(rd.entries, key=lambda e: e.seq):
             if e.recompute:
                 recomputed += 1
@@ -269,7 +272,7 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
                 ordinals[(rank, *ident)] += 1
             for fi, (field, ts) in enumerate(e.tensors):
                 if by_key:  # msprobe's own dump on either side: one rank each, its keys are the identity
-                    s = Slot(it, 0, e.phase, e.module, 0, e.op or "", -1, field, -1, e.key)
+                    s = Slot(it, 0, e.phase, "", 0, "", -1, field, -1, e.key)
                 else:
                     s = Slot(it, -1 if aggregate or per_iteration else mb, e.phase, e.module, call, e.op or "",
                              -1 if e.op_index is None else e.op_index, field, rank if kind == "device" else -1)
@@ -287,7 +290,10 @@ def _scaled(t: TensorStats, scale: float) -> TensorStats:
 
 
 def _grad_scale(meta: dict[str, Any], where: Any) -> float:
-    g = meta.get("grad_scale", 1.0)
+    """The rank's gradient scale; a meta without one (an own loop: None) counts as 1."""
+    g = meta.get("grad_scale")
+    if g is None:
+        return 1.0
     if not isinstance(g, (int, float)) or isinstance(g, bool) or not math.isfinite(g) or g <= 0:
         raise ProbeInputError(f"{where}: grad_scale {g!r} in the run meta is not a positive number")
     return float(g)
