@@ -69,14 +69,18 @@ def megatron_ranks() -> dict[str, int]:
             "dp": ps.get_data_parallel_rank()}
 
 
+#: distribution -> the module whose import means the run uses it
+_FRAMEWORKS = {"megatron-core": "megatron.core", "deepspeed": "deepspeed", "transformers": "transformers"}
+
+
 def _versions() -> dict[str, str | None]:
+    """portspeed's and torch's releases, and those of the frameworks this process imported."""
     from portspeed.versions import distribution_version
 
     out = {}
-    for d in ("portspeed", "torch", "megatron-core", "deepspeed", "transformers"):
+    for d in ("portspeed", "torch", *(d for d, m in _FRAMEWORKS.items() if m in sys.modules)):
         v = distribution_version(d)
-        if v is not None or d in ("portspeed", "torch"):
-            out[d] = None if v is None else str(v)
+        out[d] = None if v is None else str(v)
     return out
 
 
@@ -99,8 +103,9 @@ def _dropout(table: ModuleTable) -> bool:
 def _model(table: ModuleTable, parallel: lay.Parallel, pp: int) -> dict[str, Any]:
     config = _config(table)
     vocab = None
-    for info in table.infos:
-        if info.cls in ("VocabParallelEmbedding", "Embedding") and "word" in info.path or info.cls == "VocabParallelEmbedding":
+    for info in table.infos:  # Megatron's vocab-parallel table (its global size), else a word-embedding table
+        if info.cls == "VocabParallelEmbedding" or (info.cls == "Embedding" and any(
+                w in info.path for w in ("word", "embed_tokens", "wte"))):
             vocab = getattr(info.module, "num_embeddings", None)
             break
     params = None

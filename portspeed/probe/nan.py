@@ -13,7 +13,9 @@ Then: the iteration's dump is written (full statistics when the iteration was in
 stderr, and the process exits with ``NAN_EXIT``; under ``portspeed run`` (torchrun) the other ranks
 are ended by the launcher. The line::
 
-    portspeed probe: non-finite at iteration 3, micro-batch 0, rank 1, forward: decoder.layers.1 (TransformerLayer) output 0 has 1 NaN, 0 Inf; dump: DIR/step3/rank1
+    portspeed probe: non-finite at iteration 3, micro-batch 0, rank 0, forward: decoder.layers.1 (TransformerLayer) output 0 is not finite (its float64 mean is nan); dump: DIR/step3/rank0
+
+(``has 1 NaN, 0 Inf`` where the iteration was recorded in full.)
 
 Collective inputs on C++ backends are covered by torch's own ``TORCH_DIST_NAN_CHECK=1`` from torch
 2.15 (a check before each collective, raising on the rank that sends a NaN); it does not name a
@@ -43,11 +45,11 @@ def describe(found: tuple[str, str, Any, dict[str, Any]], entry: dict[str, Any],
     part = {"output": "output", "input": "output gradient"}.get(field, field)
     if phase in ("parameters_grad", "parameters_updated"):
         part = f"parameter {field}"
-    counts = (f"{rec['ps_nan']} NaN, {rec['ps_inf']} Inf" if rec.get("ps_nan") is not None
-              else f"a non-finite sum ({rec.get('Mean')!r} mean)")
+    counts = (f"has {rec['ps_nan']} NaN, {rec['ps_inf']} Inf" if rec.get("ps_nan") is not None
+              else f"is not finite (its float64 mean is {rec.get('Mean')!r})")
     mb = entry.get("ps_micro_batch", -1)
     return (f"portspeed probe: non-finite at iteration {entry.get('ps_iteration')}, micro-batch {mb}, rank {rank}, "
-            f"{phase}: {what} {part} {index} has {counts}; dump: {folder}")
+            f"{phase}: {what} {part} {index} {counts}; dump: {folder}")
 
 
 def stop(line: str) -> None:

@@ -113,12 +113,12 @@ class ProbeSession:
                 self.context.update(context or {})  # an integration inside the documented call: one iteration
                 return
             self.end()
-        self.last = n
+        self.last, self.explicit = n, explicit
         if not self.watching(n):
             return
         self._check_folder()
         full = self.wants(n)
-        self.framework, self.explicit, self.context = framework, explicit, dict(context or {})
+        self.framework, self.context = framework, dict(context or {})
         self.chunks = list(chunks)
         self.table = self._table(chunks)
         self.parallel = meta.parallel_of(self.table, chunks)
@@ -132,6 +132,10 @@ class ProbeSession:
             if full:
                 self._colls = collectives.CollectiveRecorder(rec, self._hooks.innermost, self._ops, self.parallel)
                 collectives.set_target(self._colls)
+
+    def first_micro_batch(self, chunk: int) -> None:
+        """The iteration began inside ``chunk``'s forward (after its pre-hook would have run): count it."""
+        self._micro_batch(chunk)
 
     def _micro_batch(self, chunk: int) -> None:
         rec = self.record
