@@ -270,13 +270,10 @@ def te_step(args: argparse.Namespace) -> int:
     import pretrain_gpt as pg
     import torch
 
-    if spec_kind == "te":
-        from megatron.core.models.gpt import gpt_layer_specs
-
-        pg.get_gpt_layer_local_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     cuda = args.device == "cuda"
     sizes = SIZES[args.device]
-    pargs = pg.parse_args(sizes["te"])
+    # the example's own flag picks Megatron's TE layer spec (served here by the portable TE)
+    pargs = pg.parse_args(sizes["te"] + ["--transformer-impl", "transformer_engine" if spec_kind == "te" else "local"])
     model, optimizer, _, _ = pg.setup(pargs)
     used_te = any(c.__module__.startswith("portspeed.portable_te") for m in model[0].modules() for c in type(m).__mro__)
     if (spec_kind == "te") != used_te:

@@ -95,8 +95,10 @@ part example $T_EX "$PY" benchmarks/gpu_check.py example --device $DEVICE --out 
 part te $T_TE "$PY" benchmarks/gpu_check.py te --device $DEVICE --out "$LOGS" --timeout $T_TE1
 part attention $T_ATT "$PY" benchmarks/bench_te_kernels.py --parts attention --device $DEVICE --seqs $SEQS \
   --dtypes $DTYPES --json "$LOGS/attention.json" --case-timeout $T_EX1
-# other helpers' GPU-only checks of the same issue, when present, in what time is left (their output: the logs)
+# the GPU-only checks (the probe's cost, SDPA, kernels, grouped GEMM, torch's NCCL recorder), when present, in what time is left (their output: the logs)
 if [ "$DRY" != 1 ]; then
+  [ -f benchmarks/check_probe_cuda.py ] && part extra_check_probe_cuda 150 "$PY" benchmarks/check_probe_cuda.py \
+    --device cuda --out "$LOGS" --timeout 70
   [ -f benchmarks/check_sdpa_cuda.py ] && part extra_check_sdpa_cuda 90 "$PY" benchmarks/check_sdpa_cuda.py
   [ -f benchmarks/check_te_kernels_cuda.py ] && part extra_check_te_kernels_cuda 60 "$PY" benchmarks/check_te_kernels_cuda.py
   [ -f benchmarks/bench_grouped_stack.py ] && part extra_bench_grouped_stack 60 "$PY" benchmarks/bench_grouped_stack.py \
