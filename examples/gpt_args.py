@@ -18,7 +18,8 @@ from gpt_checkpoint import resume_point
 
 __all__ = ["DESCRIPTION", "check_args", "check_model_args", "check_plants", "parse_args"]
 
-DESCRIPTION = "Pretrain a tiny GPT on megatron-core alone (no megatron.training), on whatever accelerator portspeed picks."
+DESCRIPTION = ("Pretrain a tiny GPT on megatron-core alone (no megatron.training), on whatever accelerator "
+               "portspeed picks.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,7 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (needs --pp > 1)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel size (needs --transformer-impl transformer_engine)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size (needs --transformer-impl transformer_engine)")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (implied: world / (tp*pp*cp)); checked if given")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (needs --num-experts)")
