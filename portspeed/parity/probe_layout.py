@@ -261,10 +261,10 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
                 mb = -1
             else:
                 mb = mapper(e.micro_batch, coords) if mapper else None
-                if mb is None:
+                if mb is None and not aggregate:  # an expert is joined over the iteration: its calls need no order
                     unmatched[name] = why
                     notes.append(f"the {name}'s micro-batches cannot be matched ({why}): only per-iteration "
-                                 "entries (parameter gradients, parameters after the step) compare")
+                                 "entries (parameter gradients, parameters after the step, experts) compare")
                     continue
             ident = (it, mb if not per_iteration else -1, e.phase, e.module, e.op or "", e.op_index)
             call = -1 if aggregate else ordinals[(rank, *ident)]
