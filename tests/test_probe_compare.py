@@ -23,8 +23,7 @@ from helpers.probe_dumps import RankDump, full, meta, partial, split, stats
 
 from portspeed.parity import compare as compare_cli
 from portspeed.parity.probe_compare import compare_dumps, first_line
-from portspeed.parity.probe_format import ProbeInputError, TensorStats, read_dump
-from portspeed.parity.probe_layout import merge
+from portspeed.parity.probe_format import ProbeInputError, TensorStats, merge, read_dump
 
 LAYERS, SEQ, BATCH, HIDDEN = 2, 4, 2, 8
 FC1, FC2 = "ColumnParallelLinear", "RowParallelLinear"

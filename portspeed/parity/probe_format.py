@@ -8,7 +8,9 @@ entry's tensors flattened to `TensorStats` under a field name (``output.0``, ``i
 ``weight``; a backward entry's msprobe ``input`` -- the gradients of the module's outputs -- is
 named ``output.<i>``, the phase saying it is a gradient). A missing folder, a folder that holds no
 dump, a dump of another format and an empty dump are refused with `ProbeInputError`, one line
-naming the folder and what to do.
+naming the folder and what to do. `merge` combines the statistics of a split tensor's parts exactly
+(the format's rule for ``split``: max of maxes, min of mins, count-weighted means, root of summed
+squares, NaN/Inf counts summed).
 
 Limits: a dump written by msprobe itself (no ``portspeed`` meta, ``proc<pid>`` or ``rank<R>``
 folders, ``step<N>`` counting its ``step()`` calls from 0) is read as a one-rank run of unknown
@@ -28,12 +30,12 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from portspeed.errors import PortspeedError
 
 __all__ = ["ProbeInputError", "TensorStats", "Entry", "RankDump", "ProbeDump", "read_dump", "FORMAT", "VERSION",
-           "PHASES", "STATISTICS"]
+           "PHASES", "STATISTICS", "Merged", "merge", "whole"]
 
 #: the run meta's ``format`` and the ``version`` this reader understands
 FORMAT, VERSION = "portspeed-probe", 1
@@ -142,6 +144,63 @@ class ProbeDump:
         for k in sorted(self.ranks):
             yield from self.ranks[k].entries
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Merged:
+    """A tensor's statistics on the reference's layout: one rank's, or several ranks' parts combined."""
+
+    dtype: str
+    #: None where parts were joined without a known dim (the element count still counts)
+    shape: tuple[int, ...] | None
+    numel: int
+    max: float | None
+    min: float | None
+    mean: float | None
+    norm: float | None
+    nan: int | None
+    inf: int | None
+
+    def stat(self, name: str) -> float | None:
+        return {"Max": self.max, "Min": self.min, "Mean": self.mean, "Norm": self.norm}[name]
+
+
+# ----------------------------------------------------------------------------- combining statistics
+
+def merge(parts: Iterable[TensorStats | Merged], shape: tuple[int, ...] | None = None) -> Merged:
+    """Statistics of the tensor made of ``parts`` (disjoint pieces of one tensor), combined exactly."""
+    parts = list(parts)
+    full = [p for p in parts if p.numel]
+    n = sum(p.numel for p in parts)
+    nan = None if any(p.nan is None for p in parts) else sum(p.nan for p in parts)
+    inf = None if any(p.inf is None for p in parts) else sum(p.inf for p in parts)
+    if not full:
+        return Merged(parts[0].dtype, shape, n, None, None, None, None, nan, inf)
+    maxes, mins = [p.max for p in full], [p.min for p in full]
+    means, norms = [p.mean for p in full], [p.norm for p in full]
+    mx = math.nan if any(_nan(x) for x in maxes) else max(maxes)
+    mn = math.nan if any(_nan(x) for x in mins) else min(mins)
+    mean = math.nan if any(_nan(x) for x in means) else _weighted_mean(means, [p.numel for p in full])
+    norm = math.nan if any(_nan(x) for x in norms) else math.hypot(*norms)
+    return Merged(full[0].dtype, shape, n, mx, mn, mean, norm, nan, inf)
+
+
+def _weighted_mean(means: list[float | None], counts: list[int]) -> float:
+    terms = [m * c for m, c in zip(means, counts)]
+    if any(math.isinf(t) for t in terms):  # fsum refuses +inf + -inf; the mean of such a tensor is nan
+        return sum(terms) / sum(counts)
+    return math.fsum(terms) / sum(counts)
+
+
+def _nan(x: float | None) -> bool:
+    return x is None or math.isnan(x)
+
+
+def whole(t: TensorStats) -> Merged:
+    """One rank's tensor as it is (a flat shard's shape is only its element count)."""
+    return Merged(t.dtype, None if t.flat else t.shape, t.numel, t.max, t.min, t.mean, t.norm, t.nan, t.inf)
+
+
+# ----------------------------------------------------------------------------- reading
 
 def read_dump(path: str | Path) -> ProbeDump:
     """Read every ``step<I>/rank<R>/dump.json`` under ``path``; refuse what is not a usable probe dump."""

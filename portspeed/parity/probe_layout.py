@@ -33,9 +33,9 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from portspeed.parity.probe_format import Entry, ProbeDump, ProbeInputError, TensorStats
+from portspeed.parity.probe_format import Entry, Merged, ProbeDump, ProbeInputError, TensorStats, merge, whole
 
-__all__ = ["Slot", "Merged", "Copy", "Side", "Pairing", "pair_dumps", "merge", "PHASE_RANK"]
+__all__ = ["Slot", "Copy", "Side", "Pairing", "pair_dumps", "PHASE_RANK"]
 
 #: the place of a phase in an iteration's order
 PHASE_RANK = {"forward": 0, "backward": 1, "parameters_grad": 2, "parameters_updated": 3}
@@ -64,25 +64,6 @@ class Slot:
     rank: int = -1
     #: a dump written by msprobe: entries are matched by key ("" otherwise)
     key: str = ""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Merged:
-    """A tensor's statistics on the reference's layout: one rank's, or several ranks' parts combined."""
-
-    dtype: str
-    #: None where parts were joined without a known dim (the element count still counts)
-    shape: tuple[int, ...] | None
-    numel: int
-    max: float | None
-    min: float | None
-    mean: float | None
-    norm: float | None
-    nan: int | None
-    inf: int | None
-
-    def stat(self, name: str) -> float | None:
-        return {"Max": self.max, "Min": self.min, "Mean": self.mean, "Norm": self.norm}[name]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,42 +102,6 @@ class Pairing:
     dtype: tuple[str, str]
     #: "reference" / "run" -> why that side's micro-batches could not be matched to the other's
     unmatched: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-def merge(parts: Iterable[TensorStats | Merged], shape: tuple[int, ...] | None = None) -> Merged:
-    """Statistics of the tensor made of ``parts`` (disjoint pieces of one tensor), combined exactly."""
-    parts = list(parts)
-    full = [p for p in parts if p.numel]
-    n = sum(p.numel for p in parts)
-    nan = None if any(p.nan is None for p in parts) else sum(p.nan for p in parts)
-    inf = None if any(p.inf is None for p in parts) else sum(p.inf for p in parts)
-    if not full:
-        return Merged(parts[0].dtype, shape, n, None, None, None, None, nan, inf)
-    maxes, mins = [p.max for p in full], [p.min for p in full]
-    means, norms = [p.mean for p in full], [p.norm for p in full]
-    mx = math.nan if any(_nan(x) for x in maxes) else max(maxes)
-    mn = math.nan if any(_nan(x) for x in mins) else min(mins)
-    mean = math.nan if any(_nan(x) for x in means) else _weighted_mean(means, [p.numel for p in full])
-    norm = math.nan if any(_nan(x) for x in norms) else math.hypot(*norms)
-    return Merged(full[0].dtype, shape, n, mx, mn, mean, norm, nan, inf)
-
-
-def _weighted_mean(means: list[float | None], counts: list[int]) -> float:
-    terms = [m * c for m, c in zip(means, counts)]
-    if any(math.isinf(t) for t in terms):  # fsum refuses +inf + -inf; the mean of such a tensor is nan
-        return sum(terms) / sum(counts)
-    return math.fsum(terms) / sum(counts)
-
-
-def _nan(x: float | None) -> bool:
-    return x is None or math.isnan(x)
-
-
-def _whole(t: TensorStats, scale: float = 1.0) -> Merged:
-    """One rank's tensor as it is (divided by ``scale``: the gradient scale of a backward entry)."""
-    d = (lambda x: x) if scale == 1.0 else (lambda x: None if x is None else x / scale)
-    return Merged(t.dtype, None if t.flat else t.shape, t.numel, d(t.max), d(t.min), d(t.mean), d(t.norm), t.nan,
-                  t.inf)
 
 
 # ----------------------------------------------------------------------------- the pair
@@ -325,7 +270,7 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
     order = _order(slot, recs, mbs)
     side = Side([], None, order, e0.cls, e0.layer, mbs, len(e0.tensors))
     if kind == "device":  # one record: the slot names its rank
-        side.copies = [Copy((r.rank,), _whole(r.stats)) for r in recs]
+        side.copies = [Copy((r.rank,), whole(r.stats)) for r in recs]
         return side
     layouts = {r.stats.layout for r in recs}
     groups = {r.stats.groups for r in recs}
@@ -366,7 +311,7 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
                                 f"(ranks {_ranks(ranks)}); record every rank of the group")
                 return side
         if len(members) == 1:
-            side.copies.append(Copy(ranks, _whole(members[0].stats)))
+            side.copies.append(Copy(ranks, whole(members[0].stats)))
         else:
             shape = None if aggregate else _joined_shape(members, grp)
             side.copies.append(Copy(ranks, merge((m.stats for m in members), shape)))
