@@ -380,6 +380,56 @@ def test_the_first_line_and_its_context(tp1: Path, tmp_path: Path) -> None:
                      r"agrees", out), out
 
 
+def test_ops_are_matched_by_name_inside_their_module(tmp_path: Path) -> None:
+    """Op level: the TP2 run's module calls an all_reduce the TP1 run has not; the ops after it still meet theirs
+    (the k-th op of a name inside a module), and the first line names the op, #k and the module."""
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+
+    def write(root: Path, tp: int, off: float = 0.0) -> Path:
+        for rank in range(tp):
+            r = RankDump(meta(tp=tp, level="op"), rank=rank, tp=rank)
+            r.op(fc(0, 2), "linear", [x.chunk(tp, dim=-1)[rank] if tp > 1 else x], layer=0, cls=FC2, index=0,
+                 layout=partial("tp") if tp > 1 else full())
+            if tp > 1:
+                r.op(fc(0, 2), "all_reduce", [x], layer=0, cls=FC2, index=1, layout=full("tp"))
+            r.op(fc(0, 2), "gelu", [y, y * (1 + off)], layer=0, cls=FC2, index=tp, layout=full("tp"))
+            r.op(fc(0, 2), "gelu", [y * (1 + off)], layer=0, cls=FC2, index=tp + 1, layout=full("tp"))
+            r.forward(fc(0, 2), FC2, [y], layer=0, layout=full("tp"))
+            r.write(root)
+        return root
+
+    ref = write(tmp_path / "tp1", 1)
+    code, out, _ = probe(ref, write(tmp_path / "tp2", 2))
+    assert code == 0 and "compared 4 tensors" in out, out  # 3 gelu outputs and the module's output
+    assert (f"run: a partial sum on each rank (before the reduce) of ops inside {FC2}: compared only between "
+            f"identical layouts (1 tensors): {fc(0, 2)} op linear (forward)") in out, out
+    assert f"only in the run (1 tensors): {fc(0, 2)} op all_reduce (forward)" in out, out
+    code, out, _ = probe(ref, write(tmp_path / "tp2-off", 2, off=1e-3))
+    assert code == 1 and out.startswith(f"first divergence: iteration 1, micro-batch 0, forward, {fc(0, 2)} op gelu #0, "
+                                        "rank 0: output.1 "), out
+
+
+def test_an_op_outside_every_module_sits_after_the_module_before_it(tmp_path: Path) -> None:
+    """The loss's ops run outside every module (the dump's layer -1): they are placed after the last module that
+    finished before them, so a difference in layer 1 is named before the loss op it feeds."""
+    g = torch.Generator().manual_seed(8)
+    t = [torch.randn(4, 8, generator=g) for _ in range(4)]
+
+    def write(root: Path, off: float) -> Path:
+        r = RankDump(meta(level="op"))
+        r.op("", "randint", [t[0]], layer=-1)  # the data, before any module
+        r.forward(fc(0, 2), FC2, [t[1]], layer=0)
+        r.forward(fc(1, 2), FC2, [t[2] * (1 + off)], layer=1)
+        r.op("", "cross_entropy", [t[3] * (1 + off)], layer=-1)
+        r.write(root)
+        return root
+
+    code, out, _ = probe(write(tmp_path / "a", 0.0), write(tmp_path / "b", 1e-2))
+    assert code == 1 and out.startswith(f"first divergence: iteration 1, micro-batch 0, forward, {fc(1, 2)}, rank 0: ")
+    assert "next differing:\n  iteration 1, micro-batch 0, forward, op cross_entropy #0, rank 0: " in out, out
+
+
 def test_identical_runs_compare_rank_by_rank_as_a_device_pair(tmp_path: Path) -> None:
     """Same layout, another device: a device pair, every rank against the same rank, exit 0; an output off by
     2e-4 relative (twice the fp32 band) on one rank is named there."""

@@ -140,13 +140,20 @@ def _mb(r: TensorResult) -> str:
     return "all" if r.slot.micro_batch < 0 else str(r.slot.micro_batch)
 
 
+def _name(s: Slot) -> str:
+    """A slot's module (and op) for lists: ``decoder.layers.0.mlp op linear``, or msprobe's key."""
+    if s.key:
+        return s.key
+    return f"{s.module} op {s.op}" if s.op and s.module else s.op or s.module or "<root>"
+
+
 def _where(r: TensorResult) -> str:
     s = r.slot
-    path = s.module or s.key or "<root>"
+    path = s.module or s.key or ("" if s.op else "<root>")
     if s.call > 0:
         path += f" (call {s.call})"
-    if s.op:
-        path += f" op {s.op} #{max(s.op_index, 0)}"
+    if s.op:  # an op outside every module is named by itself
+        path += f"{' ' if path else ''}op {s.op} #{max(s.op_index, 0)}"
     return f"iteration {s.iteration}, micro-batch {_mb(r)}, {s.phase}, {path}"
 
 
@@ -209,11 +216,11 @@ def format_report(report: ProbeReport) -> str:
             out += [_line(r) for r in before]
         out.append("next differing:" if after else "next differing: none")
         out += [_line(r) for r in after]
-        params = [r for r in res if r.slot.module == fd.slot.module and r.slot.iteration == fd.slot.iteration
-                  and r.slot.phase.startswith("parameters")]
-        out.append(f"{fd.slot.module or fd.slot.key}'s parameters:" if params else
-                   f"{fd.slot.module or fd.slot.key}'s parameters: none recorded")
-        out += [_line(r) for r in params]
+        if fd.slot.module or fd.slot.key:
+            params = [r for r in res if r.slot.module == fd.slot.module and r.slot.iteration == fd.slot.iteration
+                      and r.slot.phase.startswith("parameters")]
+            out.append(f"{fd.slot.module or fd.slot.key}'s parameters:" + ("" if params else " none recorded"))
+            out += [_line(r) for r in params]
     left = [r for r in res if r.status == "not compared"]
     if left:
         out.append(f"not compared: {len(left)} tensors")
@@ -221,7 +228,7 @@ def format_report(report: ProbeReport) -> str:
         for r in left:
             by_reason.setdefault(r.reason, []).append(r)
         for why, rs in by_reason.items():
-            names = list(dict.fromkeys(f"{r.slot.module or r.slot.key} ({r.slot.phase})" for r in rs))
+            names = list(dict.fromkeys(f"{_name(r.slot)} ({r.slot.phase})" for r in rs))
             more = f", ... {len(names) - NOT_COMPARED_SHOWN} more" if len(names) > NOT_COMPARED_SHOWN else ""
             out.append(f"  {why} ({len(rs)} tensors): {', '.join(names[:NOT_COMPARED_SHOWN])}{more}")
     out += [f"note: {n}" for n in report.notes]
@@ -240,8 +247,8 @@ def _largest(comp: list[TensorResult]) -> str:
             for stat, ratio in v.ratios:
                 if math.isfinite(ratio) and ratio > best.get(stat, (-1.0, r))[0]:
                     best[stat] = (ratio, r)
-    return ", ".join(f"{s} {best[s][0]:.2g} ({best[s][1].slot.module or best[s][1].slot.key} {best[s][1].slot.phase}, "
-                     f"{best[s][1].bands})" for s in STAT_ORDER if s in best) or "-"
+    return ", ".join(f"{s} {best[s][0]:.2g} ({_name(best[s][1].slot)} {best[s][1].slot.phase}, {best[s][1].bands})"
+                     for s in STAT_ORDER if s in best) or "-"
 
 
 def _meta_str(d: ProbeDump) -> str:

@@ -55,9 +55,10 @@ class Slot:
     micro_batch: int
     phase: str
     module: str
-    #: the k-th call of this module (or op) in the micro-batch; -1 for an expert aggregated over the iteration
+    #: the k-th call of this module in the micro-batch; -1 for an expert aggregated over the iteration
     call: int
     op: str
+    #: an op entry: the k-th op of this name inside this module in the micro-batch (-1 aggregated; -1 for modules)
     op_index: int
     field: str
     #: a same-layout pair: the rank both sides hold it on; -1 across layouts
@@ -178,6 +179,7 @@ class _Record:
     entry: Entry
     field_index: int
     micro_batch: int  # the mapped micro-batch this record came from
+    layer: int | None  # an op's: its module's (the module entries say where a module sits)
 
 
 def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, notes: list[str],
@@ -196,7 +198,11 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
         if kind == "layout" and dump.portspeed and meta.get("grad_scale") is None:
             notes.append(f"the {name}'s gradient scale is not in its meta: its backward entries are compared as "
                          "they are")
+        layer_of = {e.module: e.layer for e in rd.entries if not e.op and e.layer is not None}
+        last_layer: dict[tuple[int, str], int] = {}  # (micro-batch, phase) -> the layer of the last module entry
         for e in sorted(rd.entries, key=lambda e: e.seq):
+            if not e.op and e.layer is not None:
+                last_layer[(e.micro_batch, e.phase)] = e.layer
             if e.recompute:
                 recomputed += 1
                 continue
@@ -211,18 +217,24 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
                     notes.append(f"the {name}'s micro-batches cannot be matched ({why}): only per-iteration "
                                  "entries (parameter gradients, parameters after the step, experts) compare")
                     continue
-            ident = (it, mb if not per_iteration else -1, e.phase, e.module, e.op or "", e.op_index)
-            call = -1 if aggregate else ordinals[(rank, *ident)]
+            # the k-th call of this module, or the k-th op of this name inside this module, in the micro-batch:
+            # an op's index in its module call shifts where a layout adds ops (a TP reduce), its name's count does not
+            ident = (rank, it, mb if not per_iteration else -1, e.phase, e.module, e.op or "")
+            k = -1 if aggregate else ordinals[ident]
             if not aggregate:
-                ordinals[(rank, *ident)] += 1
+                ordinals[ident] += 1
+            call, op_k = (0, k) if e.op else (k, -1)
+            # an op outside every module (the loss, the data) sits after the last module that finished before it
+            layer = (layer_of.get(e.module, e.layer) if e.module else last_layer.get((e.micro_batch, e.phase), -1)) \
+                if e.op else e.layer
             for fi, (field, ts) in enumerate(e.tensors):
                 if by_key:  # msprobe's own dump on either side: one rank each, its keys are the identity
                     s = Slot(it, 0, e.phase, "", 0, "", -1, field, -1, e.key)
                 else:
                     s = Slot(it, -1 if aggregate or per_iteration else mb, e.phase, e.module, call, e.op or "",
-                             -1 if e.op_index is None else e.op_index, field, rank if kind == "device" else -1)
+                             op_k, field, rank if kind == "device" else -1)
                 st = ts if not (e.phase == "backward" and scale != 1.0) else _scaled(ts, scale)
-                records[s].append(_Record(0 if by_key else rank, coords, st, e, fi, -1 if mb is None else mb))
+                records[s].append(_Record(0 if by_key else rank, coords, st, e, fi, -1 if mb is None else mb, layer))
     if recomputed:
         notes.append(f"{recomputed} forward entries of the {name} re-run by activation recomputation are left out "
                      "(the first call of each is compared)")
@@ -268,7 +280,7 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
     e0 = recs[0].entry
     mbs = tuple(sorted({r.micro_batch for r in recs if r.micro_batch >= 0}))
     order = _order(slot, recs, mbs)
-    side = Side([], None, order, e0.cls, e0.layer, mbs, len(e0.tensors))
+    side = Side([], None, order, e0.cls, recs[0].layer, mbs, len(e0.tensors))
     if kind == "device":  # one record: the slot names its rank
         side.copies = [Copy((r.rank,), whole(r.stats)) for r in recs]
         return side
@@ -288,12 +300,11 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
     if layout in ("partial", "unknown") and all(int(lay.get(d) or 1) == 1 for d in ("tp", "cp", "ep", "etp")):
         layout, grp = "full", ()  # nothing spreads this tensor over ranks on this side: it is whole
     if layout == "partial":
-        side.refused = (f"a partial sum on each rank (before the reduce) of {e0.cls or 'this op'}: compared only "
-                        "between identical layouts")
+        side.refused = (f"a partial sum on each rank (before the reduce) of {_what(e0)}: compared only between "
+                        "identical layouts")
         return side
     if layout not in ("full", "split"):
-        side.refused = (f"no layout rule for {e0.cls or e0.key} (ps_layout {layout!r}): how it is spread over the "
-                        "ranks is unknown")
+        side.refused = f"no layout rule for {_what(e0)} (ps_layout {layout!r}): how it is spread over the ranks is unknown"
         return side
     aggregate = slot.call == -1
     union = set(grp) if layout == "split" else set()
@@ -317,6 +328,13 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
             side.copies.append(Copy(ranks, merge((m.stats for m in members), shape)))
     side.copies.sort(key=lambda c: c.ranks)
     return side
+
+
+def _what(e: Entry) -> str:
+    """What a refusal names: the module's class, or for an op the ops inside that class (one reason for them all)."""
+    if e.op:
+        return f"ops inside {e.cls}" if e.cls else "ops outside any module"
+    return e.cls or e.key
 
 
 def _group_size(lay: dict[str, Any], group: str, e: Entry) -> int:
@@ -352,8 +370,7 @@ def _joined_shape(members: list[_Record], groups: Iterable[str]) -> tuple[int, .
 
 def _order(slot: Slot, recs: list[_Record], mbs: tuple[int, ...]) -> tuple:
     """The fixed order: iteration, micro-batch, forward by layer, backward in reverse, parameter entries last."""
-    e = recs[0].entry
-    layer = e.layer if e.layer is not None else 0
+    layer = recs[0].layer if recs[0].layer is not None else 0
     per_iteration = slot.phase in _PER_ITERATION
     layer_key = -layer if slot.phase in ("backward", "parameters_grad") else layer
     mb = mbs[0] if mbs else 0

@@ -97,12 +97,13 @@ class RankDump:
                           **self._ps(module, cls, "forward", layer, mb, **extra)}
         return key
 
-    def op(self, module: str, name: str, outputs: list[torch.Tensor], *, layer: int, index: int = 0, mb: int = 0,
-           layout: dict[str, Any] | None = None) -> str:
+    def op(self, module: str, name: str, outputs: list[torch.Tensor], *, layer: int, cls: str = "", index: int = 0,
+           mb: int = 0, layout: dict[str, Any] | None = None) -> str:
+        """A torch function called inside ``module`` (of class ``cls``): ``index`` is its place in the module call."""
         c = sum(1 for k in self.data if k.startswith(f"Functional.{name}."))
         key = f"Functional.{name}.{c}.forward"
         self.data[key] = {"input_args": [], "input_kwargs": {}, "output": [stats(t, layout) for t in outputs],
-                          **self._ps(module, "", "forward", layer, mb, ps_op=name, ps_op_index=index, ps_call=0)}
+                          **self._ps(module, cls, "forward", layer, mb, ps_op=name, ps_op_index=index, ps_call=0)}
         return key
 
     def backward(self, module: str, cls: str, grads: list[torch.Tensor], *, layer: int, mb: int = 0,
