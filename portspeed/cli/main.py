@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                        "Megatron-LM's own unit tests (tests/unit_tests of a checkout), launched as its CI does"),
     "why-hung": ("portspeed.cli.why_hung:main", "read the ranks' flight-recorder dumps and name why the job hung"),
     "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
+    "precheck": ("portspeed.cli.precheck:main", "replay an op-level probe dump in float64: ops off their band"),
     "conformance": ("portspeed.conformance.__main__:main",
                     "prove an adapter on its hardware: device, collectives, training vs CPU losses"),
 }

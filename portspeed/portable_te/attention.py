@@ -174,7 +174,9 @@ class DotProductAttention(PortableModule):
 
     def _varlen_allowed(self) -> bool:
         """Packed sequences may go to torch's variable-length kernel: SDPA serves attention and no dropout runs."""
-        return attention_kernel() is sdpa.attention_torch and (not self.training or self.attention_dropout.p == 0.0)
+        fn = attention_kernel()
+        fn = getattr(fn, "__ps_served__", fn)  # the kernel under a probe's recording wrapper (kernels.served)
+        return fn is sdpa.attention_torch and (not self.training or self.attention_dropout.p == 0.0)
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 attention_mask: torch.Tensor | tuple | None = None, qkv_format: str | None = None,

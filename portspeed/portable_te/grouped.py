@@ -50,7 +50,7 @@ from portspeed.accelerator import selection
 
 from . import comm
 from .base import PortableModule, check_config, resolve_device, set_tp_attributes, tracker_fork
-from .kernels import kernel
+from .kernels import kernel, served
 from .linear import check_linear_options, linear_into_main_grad
 from .refuse import refuse
 
@@ -175,8 +175,9 @@ class GroupedLinear(PortableModule):
                              f"{x.shape[0]} rows")
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         fn = kernel("grouped_mm")
-        if not (fn is grouped_mm_reference or self.fuse_wgrad_accumulation
-                or (fn is grouped_mm_torch and not torch_grouped_mm_serves(x.dtype))):
+        impl = served(fn)  # the kernel under a probe's recording wrapper
+        if not (impl is grouped_mm_reference or self.fuse_wgrad_accumulation
+                or (impl is grouped_mm_torch and not torch_grouped_mm_serves(x.dtype))):
             return self._grouped(fn, x, inp, splits, biases)
         outs = []
         for i, chunk in enumerate(torch.split(x, splits)):

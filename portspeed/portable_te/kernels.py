@@ -36,7 +36,7 @@ from portspeed import config
 from portspeed.accelerator import selection
 from portspeed.accelerator.kernel_ops import resolve_kernel
 
-__all__ = ["Choice", "IMPLS", "TABLE", "kernel", "choice", "choices", "plan", "reset", "import_path"]
+__all__ = ["Choice", "IMPLS", "TABLE", "kernel", "served", "choice", "choices", "plan", "reset", "import_path"]
 
 log = logging.getLogger("portspeed")
 
@@ -185,13 +185,22 @@ def _choose(op: str) -> Callable:
         return _chosen[op]
 
 
+#: ``(op, impl, fn) -> wrapper`` while an op-level probe records (``portspeed.probe.kernel_calls``: each call becomes
+#: one ``Kernel.<op>`` entry), else None; ``served(fn)`` is the kernel under such a wrapper
+observer: Callable[[str, str, Callable], Callable] | None = None
+
+
 def kernel(op: str) -> Callable:
     """The function serving ``op`` in this process (chosen on the first call; then a dict lookup)."""
-    if _generation == selection._generation:
-        fn = _chosen.get(op)
-        if fn is not None:
-            return fn
-    return _choose(op)
+    fn = _chosen.get(op) if _generation == selection._generation else None
+    if fn is None:
+        fn = _choose(op)
+    return fn if observer is None else observer(op, _choices[op].impl, fn)
+
+
+def served(fn: Callable) -> Callable:
+    """The kernel itself under a probe's recording wrapper (identity checks compare this), else ``fn``."""
+    return getattr(fn, "__ps_served__", fn)
 
 
 def choice(op: str) -> Choice:

@@ -16,7 +16,8 @@ not recorded: on a GPU they run on the engine's threads, which a mode pushed on 
 does not see, so recording them on the CPU only would make the two dumps differ. Metadata calls
 (``size``, ``dim``, attribute reads, ...) and calls that return no tensor are not recorded.
 ``torch.distributed`` functions are not torch functions: collectives are recorded by their own
-wrappers (``portspeed.probe.collectives``).
+wrappers (``portspeed.probe.collectives``). The portable Transformer Engine's kernels are recorded
+as one ``Kernel.<op>`` entry each, the torch functions inside them not (``portspeed.probe.kernel_calls``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from portspeed.probe import kernel_calls
 from portspeed.probe import layout as lay
 from portspeed.probe.entries import IterationRecord
 
@@ -153,11 +155,13 @@ class OpRecorder(TorchFunctionMode):
 
     def start(self) -> "OpRecorder":
         self.__enter__()
+        kernel_calls.observe(self)
         return self
 
     def stop(self) -> None:
         if self.on:
             self.on = False
+            kernel_calls.observe(None)
             self.__exit__(None, None, None)
 
 
