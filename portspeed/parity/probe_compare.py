@@ -286,5 +286,8 @@ def main_probe(paths: Sequence[str], out: TextIO, iterations: tuple[int | None, 
         p = Path(json_path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(report_json(report), indent=1, allow_nan=True) + "\n", encoding="utf-8")
-    print(text, file=out)
+    try:
+        print(text, file=out)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted; the verdict still stands
+        pass
     return report.exit_code
