@@ -15,13 +15,14 @@ side's `Copy`s, and every tensor left out with its reason. Two kinds of pair:
   never summed; ``partial`` and ``unknown`` tensors are refused by name (a side with no TP, CP or EP
   holds every tensor whole). Micro-batches are matched through the meta's ``dp_order``
   (``contiguous``: rank r's call j is r*m + j; ``single``: j*DP + r; ``cyclic`` / ``unknown``: only
-  per-iteration entries compare); MoE experts by their global index, aggregated over the iteration;
-  pipeline stages through the canonical module names. Dropout on either side refuses the pair (TP
-  ranks draw different masks).
+  per-iteration entries compare); MoE experts by their global index, aggregated over the iteration
+  (whatever the order); pipeline stages through the canonical module names (a container recorded on
+  several stages is refused). Dropout on either side refuses the pair (TP ranks draw different masks).
 
-Both kinds divide backward entries by the rank's ``grad_scale``.
+Both kinds divide backward entries by the rank's ``grad_scale`` and match an op as the k-th op of its
+name inside its module in the micro-batch (ops a layout adds, such as a TP reduce, shift nothing).
 
-Limits: a split tensor's combined shape is known only where ``ps_layout`` names its ``dim``; else its
+Limits: a split tensor's combined shape is known only where ``ps_layout`` names its ``dims``; else its
 element count is compared. A forward re-run by activation recomputation is left out (its first call is
 compared).
 """
