@@ -230,10 +230,13 @@ def _generate(rec: dict[str, Any], gen: torch.Generator) -> torch.Tensor:
     if n == 0:
         return torch.zeros(shape, dtype=dtype)
     lo, hi, mean = rec.get("Min"), rec.get("Max"), rec.get("Mean")
+    nan, inf = int(rec.get("ps_nan") or 0), int(rec.get("ps_inf") or 0)
+    if dtype.is_floating_point and (nan == n or (inf == n and lo == hi)):
+        return torch.full(shape, math.nan if nan == n else lo, dtype=dtype)  # all NaN, or all one infinity: exact
     if lo is None or hi is None:
         raise NotReplayable("no statistics")
-    if not (math.isfinite(lo) and math.isfinite(hi)) or (rec.get("ps_nan") or 0) + (rec.get("ps_inf") or 0):
-        raise NotReplayable("non-finite input")
+    if not (math.isfinite(lo) and math.isfinite(hi)) or nan + inf:
+        raise NotReplayable("non-finite input")  # where the non-finite elements sat is not recorded
     if dtype == torch.bool:
         t = torch.rand(n, generator=gen, dtype=torch.float64) < float(mean)
     elif not (dtype.is_floating_point or dtype.is_complex):
