@@ -12,7 +12,7 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import groups, router, trace, trace_funcol, trace_wrappers, work
+from portspeed.comm import groups, nan_check, router, trace, trace_funcol, trace_wrappers, work
 
 __all__ = ["PATCHES"]
 
@@ -36,6 +36,7 @@ _COLLECTIVE_REASONS = {
 
 _NEW_NAMES = ("reduce_scatter_single", "all_gather_single")  # torch 2.13's names
 _TRACING = trace.enabled()  # PORTSPEED_TRACE > 0: record every call below (portspeed.comm.trace)
+_NAN_CHECK = nan_check.enabled()  # PORTSPEED_NAN_CHECK: a NaN into or out of a collective raised there
 #: recorded only (no routing): the collectives and point-to-point calls the router leaves alone
 _RECORDED = ("broadcast", "barrier", "all_gather", "gather", "scatter", "all_to_all_single", "send", "recv",
              "isend", "irecv")
@@ -128,4 +129,19 @@ PATCHES: list[Patch] = [
                "completed).",
     )
     for fn, since in trace_funcol.RECORDED.items()
-] if _TRACING else [])
+] if _TRACING else []) + ([
+    Patch(
+        name=f"torch.distributed.{fn}.nan_check",
+        target=f"{_MOD}:{fn}",
+        kind=WRAP,
+        impl=nan_check.checked(fn),
+        style="function",
+        order=10,  # outermost: a call refused for a NaN input is never routed nor recorded
+        distribution="torch",
+        versions=">=2.13" if fn in _NEW_NAMES else _TORCH,
+        reason="PORTSPEED_NAN_CHECK is on: a NaN in this collective's input or output is raised here, naming the "
+               "rank, op, group and caller (torch >= 2.15's NanCheckHook checks C++ backends' inputs; portspeed "
+               "the rest).",
+    )
+    for fn in nan_check.CHECKED
+] if _NAN_CHECK else [])

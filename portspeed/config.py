@@ -17,6 +17,7 @@ portspeed, and `reload()` re-reads them (tests change the environment).
 | PORTSPEED_HANG_TIMEOUT | seconds (positive number; `portspeed run --hang-timeout S` sets it for the workers) | how long no rank may complete a recorded call before `portspeed run` dumps and ends the job; it turns recording on, and the ranks keep heartbeat files for the launcher (``portspeed.cli.hang_watch``) |
 | PORTSPEED_TRACE_DIR | a writable folder (created if missing) | where each rank writes its trace dump; unset: a new folder under the system's temporary directory, named in one log line |
 | PORTSPEED_TRACE_ON_EXIT | 0/1 (default 0) | every rank dumps its trace buffer when it exits normally too |
+| PORTSPEED_NAN_CHECK | 0/1 (default 0) | a NaN in a collective's input or output is raised at that collective, naming the rank, op, group and caller (``portspeed.comm.nan_check``; on torch >= 2.15 torch's NanCheckHook checks the inputs of C++ backends) |
 | PORTSPEED_PROBE_DIR | a writable folder holding no probe dump (created if missing) | record module (or op) statistics into it in msprobe's layout (``portspeed.probe``; docs/probe-format.md); unset: no probe, no hook. `portspeed run --probe DIR` sets it and the variables below |
 | PORTSPEED_PROBE_ITERATIONS | `A:B` or `A` (1-based, default `1:1`) | the training iterations recorded |
 | PORTSPEED_PROBE_LEVEL | `module` (default) or `op` | modules' outputs, gradients and parameters; `op` adds every torch function and collective inside them |
@@ -305,6 +306,7 @@ class Settings:
     trace_dir: str | None = None
     trace_on_exit: bool = False
     hang_timeout: float | None = None
+    nan_check: bool = False
     #: the probe (portspeed.probe): None = off
     probe_dir: str | None = None
     probe_iterations: tuple[int, int] = (1, 1)
@@ -353,6 +355,8 @@ class Settings:
         if te_kernels:
             kw["te_kernels"] = parse_te_kernels(te_kernels)
         kw.update(_trace_settings(env))
+        if "PORTSPEED_NAN_CHECK" in env:
+            kw["nan_check"] = parse_bool("PORTSPEED_NAN_CHECK", env["PORTSPEED_NAN_CHECK"])
         kw.update(_probe_settings(env))
         loss_log = env.get("PORTSPEED_LOSS_LOG", "").strip()
         if loss_log:

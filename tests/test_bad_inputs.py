@@ -50,6 +50,8 @@ SETTINGS = [
     ({"PORTSPEED_BACKEND": "fooccl"}, UnknownBackendError, ["PORTSPEED_BACKEND='fooccl'", "accepted:", "gloo"]),
     ({"PORTSPEED_BACKEND": "nccl,gloo"}, ConfigError, ["PORTSPEED_BACKEND='nccl,gloo'", "one name"]),
     ({"PORTSPEED_STRICT": "maybe"}, ConfigError, ["PORTSPEED_STRICT='maybe'", "1/0, true/false"]),
+    ({"PORTSPEED_NAN_CHECK": "sometimes"}, ConfigError, ["PORTSPEED_NAN_CHECK='sometimes'", "1/0, true/false"]),
+    ({"PORTSPEED_NAN_CHEK": "1"}, ConfigError, ["PORTSPEED_NAN_CHEK", "did you mean PORTSPEED_NAN_CHECK"]),
     ({"PORTSPEED_DISABLE": "ok.name, bad name"}, ConfigError, ["PORTSPEED_DISABLE", "'bad name'"]),
     ({"PORTSPEED_LOG_LEVEL": "LOUD"}, ConfigError, ["PORTSPEED_LOG_LEVEL='LOUD'", "DEBUG, INFO"]),
     ({"PORTSPEED_TIMEOUT": "-5"}, ConfigError, ["PORTSPEED_TIMEOUT='-5'", "positive number of seconds"]),

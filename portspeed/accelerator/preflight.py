@@ -40,6 +40,7 @@ SETTINGS: tuple[str, ...] = (
     "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT", "PORTSPEED_LOSS_LOG", scope.FRAMEWORK_ENV,
     "PORTSPEED_GLOO_LAZY_INIT", "PORTSPEED_TE_KERNELS",
     "PORTSPEED_TRACE", "PORTSPEED_TRACE_DIR", "PORTSPEED_TRACE_ON_EXIT", "PORTSPEED_HANG_TIMEOUT",
+    "PORTSPEED_NAN_CHECK",
     *config.PROBE_ENV.values(),
 )
 #: variables set by portspeed for its own processes (`portspeed run` workers, the test device's build)

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm import backends, trace_torch
+from portspeed.comm import backends, nan_check, trace_torch
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo
@@ -88,6 +88,7 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
     elif "pg_options" in kwargs:
         kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
     trace_torch.before_init(mapped)  # PORTSPEED_TRACE on NCCL: torch's own flight recorder too (set before the group)
+    nan_check.before_init()  # PORTSPEED_NAN_CHECK on torch >= 2.15: torch's NanCheckHook on every group it makes
     with lazy_gloo(mapped):
         result = wrapped(*args, **kwargs)
     with _lock:
