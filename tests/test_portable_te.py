@@ -67,6 +67,25 @@ def test_linear_and_layernorm_linear_equal_torch() -> None:
         assert (norm == "RMSNorm") == (lnl.layer_norm_bias is None)
 
 
+@pytest.mark.parametrize("mode", [None, "column", "row"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parameter_attributes_are_transformer_engines(mode: str | None, tp: int) -> None:
+    """Megatron's tensor-parallel attributes as NVIDIA's TE sets them: every weight tensor-parallel (dim 1 for row,
+    else 0), parallel_mode=None included (Megatron's tensor-parallel experts: their shards count in the grad
+    norm); a column bias tensor-parallel; a row bias and the norm parameters sequence-parallel only when tp > 1."""
+    layers = [linear.Linear(8, 8, parallel_mode=mode, tp_size=tp, sequence_parallel=True, device="cpu")]
+    if mode != "row":
+        layers.append(linear.LayerNormLinear(8, 8, parallel_mode=mode, tp_size=tp, sequence_parallel=True,
+                                             device="cpu"))
+    for layer in layers:
+        w, b = layer.weight, layer.bias
+        assert (w.tensor_model_parallel, w.partition_dim, w.partition_stride) == (True, int(mode == "row"), 1)
+        assert getattr(b, "tensor_model_parallel", None) is (True if mode == "column" else None)
+        assert getattr(b, "sequence_parallel", None) is (tp > 1 if mode == "row" else None)
+        if isinstance(layer, linear.LayerNormLinear):
+            assert layer.layer_norm_weight.sequence_parallel is layer.layer_norm_bias.sequence_parallel is (tp > 1)
+
+
 @pytest.mark.parametrize("return_bias", [False, True])
 def test_grouped_linear_equals_one_linear_per_expert(return_bias: bool) -> None:
     """GroupedLinear (``--moe-grouped-gemm``) equals F.linear per expert on its rows, forward and every gradient,

@@ -9,7 +9,12 @@ Why: Megatron's ``TELinear`` / ``TEColumnParallelLinear`` / ``TERowParallelLinea
 - ``parallel_mode="row"``: the weight is ``[out, in / tp]``; the partial output is all-reduced,
   or with ``sequence_parallel`` reduce-scattered along the sequence; the bias (whole) is added
   after the reduction, or handed back with ``return_bias``.
-- ``parallel_mode=None``: a plain linear layer.
+- ``parallel_mode=None``: a plain linear layer (no communication; Megatron builds its tensor-parallel
+  experts this way and does their communication itself).
+- parameter attributes exactly as TE sets them: every weight ``tensor_model_parallel`` (``partition_dim``
+  1 for ``row``, else 0), ``None`` included, so each expert shard counts in Megatron's grad norm; a
+  ``column`` bias tensor-parallel, a ``row`` bias and the norm parameters ``sequence_parallel`` when
+  sequence parallelism is on over more than one rank.
 - ``LayerNormLinear`` (column mode): LayerNorm / RMSNorm on the local sequence shard, then the
   gather, then the linear layer (``layer_norm_weight`` / ``layer_norm_bias`` parameters).
 - ``fuse_wgrad_accumulation`` (Megatron passes its ``gradient_accumulation_fusion``): the weight
@@ -114,14 +119,17 @@ class _ParallelLinear(PortableModule):
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=dtype, device=dev))
         bias_size = self.out_features
         self.bias = torch.nn.Parameter(torch.empty(bias_size, dtype=dtype, device=dev)) if bias else None
-        if parallel_mode == "column":
-            set_tp_attributes(self.weight, True, 0)
-            if self.bias is not None:
+        # The attributes NVIDIA's TE sets (v2.6 transformer_engine/pytorch/module/linear.py:1285-1304, the same in
+        # layernorm_linear.py:1412-1436): the weight is tensor-parallel in EVERY mode, None included (Megatron
+        # builds tensor-parallel experts with parallel_mode=None and counts their shards in the grad norm by this
+        # mark; it unmarks its "duplicated" linears itself from megatron-core 0.17); the bias by the mode.
+        set_tp_attributes(self.weight, True, 1 if parallel_mode == "row" else 0)
+        if self.bias is not None:
+            if parallel_mode == "row":
+                mark = self._sequence_parallel_mark(sequence_parallel)
+                self.bias.sequence_parallel = mark  # type: ignore[attr-defined]
+            elif parallel_mode == "column":
                 set_tp_attributes(self.bias, True, 0)
-        elif parallel_mode == "row":
-            set_tp_attributes(self.weight, True, 1)
-            if self.bias is not None:
-                self.bias.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
         if dev.type != "meta":
             with torch.no_grad():
                 if init_method is not None:
@@ -129,6 +137,10 @@ class _ParallelLinear(PortableModule):
                         init_method(self.weight)
                 if self.bias is not None:
                     self.bias.zero_()
+
+    def _sequence_parallel_mark(self, sequence_parallel: bool) -> bool:
+        """The ``sequence_parallel`` attribute TE puts on parameters: only with more than one tensor-parallel rank."""
+        return self.tp_size > 1 and bool(sequence_parallel)
 
     def set_tensor_parallel_group(self, tp_group: Any) -> None:
         """Set the group after construction (Megatron builds some modules before its groups exist)."""
@@ -208,9 +220,6 @@ class LayerNormLinear(_ParallelLinear):
         self.layer_norm_weight = torch.nn.Parameter(torch.empty(in_features, dtype=dtype, device=dev))
         self.layer_norm_bias = (torch.nn.Parameter(torch.empty(in_features, dtype=dtype, device=dev))
                                 if normalization == "LayerNorm" else None)
-        for p in (self.layer_norm_weight, self.layer_norm_bias):
-            if p is not None:
-                p.sequence_parallel = bool(sequence_parallel)  # type: ignore[attr-defined]
         if dev.type != "meta":
             with torch.no_grad():
                 self.layer_norm_weight.fill_(0.0 if zero_centered_gamma else 1.0)
@@ -221,6 +230,9 @@ class LayerNormLinear(_ParallelLinear):
                           fuse_wgrad_accumulation=fuse_wgrad_accumulation, init_method=init_method,
                           get_rng_state_tracker=get_rng_state_tracker, rng_tracker_name=rng_tracker_name,
                           params_dtype=params_dtype, device=device)
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                p.sequence_parallel = self._sequence_parallel_mark(sequence_parallel)  # type: ignore[attr-defined]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None,
                 **unsupported: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
