@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -85,19 +86,49 @@ class IterationRecord:
         self._tensors = tensors if full else None
         self._tensor_dir = tensor_dir
         self._saved: list[tuple[str, torch.Tensor]] = []
+        self._pending: list[dict[str, Any]] = []  # tensor records whose statistics are queued
+        #: flags only: (slot, numel, key, field, index, ps_* fields, dtype, shape, layout) in the order queued
+        self.flags: list[tuple] = []
         self.meta_slots: dict[str, int] = {}  # run-meta values read with the statistics (a loss scale)
+        #: id -> (the tensor, its version, its storage address, slot): a tensor seen again unchanged is not re-measured
+        self._seen: dict[int, tuple[weakref.ref, int, int, int | None]] = {}
 
     # ------------------------------------------------------------ building entries
+    @property
+    def saves_any(self) -> bool:
+        """Whether --probe-tensors asks for any full tensor (inputs then need the keyword arguments too)."""
+        return self._tensors is not None
+
     def saves(self, key: str) -> bool:
         """Whether --probe-tensors asks for ``key``'s full tensors."""
         return self._tensors is not None and fnmatch.fnmatchcase(key, self._tensors)
 
+    def slot(self, t: torch.Tensor, same_as: torch.Tensor | None = None) -> int | None:
+        """The statistics slot of ``t``: queued once per tensor and version (the same tensor handed from module to
+        module, a weight read by every micro-batch, is measured once), or ``same_as``'s slot (a view holding the
+        same elements: ``view``, ``transpose``, ...)."""
+        try:
+            version = t._version
+        except (RuntimeError, AttributeError):  # inference tensors have no version counter: never shared
+            version = None
+        hit = self._seen.get(id(t))
+        if version is not None and hit is not None and hit[0]() is t and hit[1] == version and \
+                hit[2] == t.data_ptr():
+            return hit[3]
+        if same_as is not None and version is not None and same_as.numel() == t.numel():
+            slot = self.slot(same_as)
+        else:
+            slot = self.batch.add_full(t) if self.full else self.batch.add_flag(t)
+        if version is not None:
+            self._seen[id(t)] = (weakref.ref(t), version, t.data_ptr(), slot)
+        return slot
+
     def tensor(self, t: torch.Tensor, key: str, field: str, index: int, layout: dict | None = None,
-               save: bool = False) -> dict[str, Any]:
+               save: bool = False, same_as: torch.Tensor | None = None) -> dict[str, Any]:
         """``t``'s record in entry ``key`` (its statistics pending); with ``save``, its full tensor is kept."""
         rec = st.describe(t)
-        slot = self.batch.add_full(t) if self.full else self.batch.add_flag(t)
-        rec["_slot"], rec["_numel"] = slot, t.numel()
+        rec["_slot"], rec["_numel"] = self.slot(t, same_as), t.numel()
+        self._pending.append(rec)
         if layout is not None:
             rec["ps_layout"] = layout
         if save:
@@ -108,11 +139,33 @@ class IterationRecord:
         return rec
 
     def value(self, v: Any, key: str, field: str, index: int, layout: dict | None = None,
-              save: bool = False) -> Any:
-        """A tensor's pending record, or any other value encoded (``layout`` / ``save`` apply to tensors)."""
+              save: bool = False, same_as: torch.Tensor | None = None) -> Any:
+        """A tensor's pending record, or any other value encoded (``layout`` / ``save`` / ``same_as`` apply to
+        tensors)."""
         if isinstance(v, torch.Tensor):
-            return self.tensor(v, key, field, index, layout, save)
+            return self.tensor(v, key, field, index, layout, save, same_as)
         return encode(v)
+
+    def flag(self, t: torch.Tensor, key: str, field: str, index: int, base: dict[str, Any],
+             layout: dict | None = None) -> None:
+        """Flags only: queue ``t``'s float64 sum as item ``index`` of ``field`` in entry ``key`` (whose ``ps_*``
+        fields are ``base``); the entry is built only if the iteration turns out to hold a non-finite value."""
+        self.flags.append((self.slot(t), t.numel(), key, field, index, base, str(t.dtype), list(t.shape), layout))
+
+    def _flag_entries(self, values: list[list[float]]) -> None:
+        """The entries of a watched iteration, built from its flags (in the order they were queued)."""
+        for slot, n, key, field, index, base, dtype, shape, layout in self.flags:
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.add(key, dict(base))
+            rec: dict[str, Any] = {"type": "torch.Tensor", "dtype": dtype, "shape": shape}
+            if layout is not None:
+                rec["ps_layout"] = layout
+            rec.update(st.empty_stats() if slot is None else st.finish_flag(values[slot], n))
+            items = entry.setdefault(field, [])
+            while len(items) <= index:
+                items.append(None)
+            items[index] = rec
 
     def add(self, key: str, entry: dict[str, Any]) -> dict[str, Any]:
         """Put ``entry`` under ``key`` with its order and the iteration (a key seen twice keeps the first)."""
@@ -137,17 +190,18 @@ class IterationRecord:
     def finish(self) -> dict[str, dict[str, Any]]:
         """Read every queued statistic (one transfer per device) and fill the entries; write no file."""
         values = self.batch.read()
-        for entry in self.entries.values():
-            for _field, _i, rec in self._tensor_records(entry):
-                if "_numel" not in rec:
-                    continue
-                slot, n = rec.pop("_slot"), rec.pop("_numel")
-                if slot is None:
-                    rec.update(st.empty_stats())
-                elif self.full:
-                    rec.update(st.finish_full(values[slot], n))
-                else:
-                    rec.update(st.finish_flag(values[slot], n))
+        self._seen.clear()
+        if self.flags and any(s is not None and not math.isfinite(values[s][0]) for s, *_ in self.flags):
+            self._flag_entries(values)  # a non-finite value: its iteration's dump is written, so build it
+        for rec in self._pending:
+            slot, n = rec.pop("_slot"), rec.pop("_numel")
+            if slot is None:
+                rec.update(st.empty_stats())
+            elif self.full:
+                rec.update(st.finish_full(values[slot], n))
+            else:
+                rec.update(st.finish_flag(values[slot], n))
+        self._pending = []
         self.meta_values = {k: values[s][0] for k, s in self.meta_slots.items()}
         return self.entries
 

@@ -68,15 +68,26 @@ class ModuleInfo:
     selected: bool
     calls: int = 0  # forward calls this iteration (recompute re-runs not counted)
     open_calls: list[int] = dataclasses.field(default_factory=list)  # op level: calls entered, not yet left
-    awaiting_recompute: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    awaiting_recompute: list[tuple[int, dict]] = dataclasses.field(default_factory=list)  # (call, its ps_* fields)
+    call_site: tuple[str, ...] | None = None  # stack.json: where the model called it first (found once per process)
+
+    layouts: dict = dataclasses.field(default_factory=dict)  # (gradient?, index, parallel) -> layout, made once
 
     def layout(self, index: int, parallel: lay.Parallel) -> dict[str, Any]:
-        """The layout of this module's output ``index`` (and of its gradient)."""
-        return lay.output_layout(self.module, index, parallel, self.path.rsplit(".", 1)[-1])
+        """The layout of this module's output ``index`` (one dict per output, shared by every entry)."""
+        got = self.layouts.get((False, index, parallel))
+        if got is None:
+            got = self.layouts[(False, index, parallel)] = lay.output_layout(self.module, index, parallel,
+                                                                             self.path.rsplit(".", 1)[-1])
+        return got
 
     def grad_layout(self, index: int, parallel: lay.Parallel) -> dict[str, Any]:
         """The layout of the gradient of this module's output ``index``."""
-        return lay.grad_layout(self.module, index, parallel, self.path.rsplit(".", 1)[-1])
+        got = self.layouts.get((True, index, parallel))
+        if got is None:
+            got = self.layouts[(True, index, parallel)] = lay.grad_layout(self.module, index, parallel,
+                                                                          self.path.rsplit(".", 1)[-1])
+        return got
 
 
 def _renames(root: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
@@ -142,6 +153,18 @@ class ModuleTable:
             info.awaiting_recompute.clear()
 
 
+_NO_KWARGS: dict = {}
+
+
+def _leaves(output: Any) -> list:
+    """A module's outputs in order: a tensor, a flat tuple or list as it is, anything else through torch's pytree."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in output):
+        return list(output)
+    return tree_flatten(output)[0]
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -149,11 +172,11 @@ def _in_backward() -> bool:
 _SKIP_FRAMES = ("torch/nn/modules/module.py", "/portspeed/probe/", "/portspeed/patching/", "wrapt/")
 
 
-def _call_site() -> list[str]:
+def _call_site() -> tuple[str, ...]:
     """msprobe's frame strings of the stack, innermost first, without torch's and the probe's own frames."""
     frames = traceback.extract_stack()[:-1]
-    return [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}" for f in reversed(frames)
-            if not any(s in f.filename for s in _SKIP_FRAMES)]
+    return tuple(f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}" for f in reversed(frames)
+                 if not any(s in f.filename for s in _SKIP_FRAMES))
 
 
 class ModuleHooks:
@@ -181,7 +204,12 @@ class ModuleHooks:
                 continue
             if self.op_level:
                 self._handles.append(info.module.register_forward_pre_hook(self._pre_hook(info)))
-            self._handles.append(info.module.register_forward_hook(self._post_hook(info), with_kwargs=True))
+            post = self._post_hook(info)
+            if self.inputs or self.record.full and self.record.saves_any:
+                self._handles.append(info.module.register_forward_hook(post, with_kwargs=True))
+            else:  # no inputs recorded: the cheaper hook torch calls without the keyword arguments
+                self._handles.append(info.module.register_forward_hook(
+                    lambda m, args, out, post=post: post(m, args, _NO_KWARGS, out)))
         return self
 
     def remove(self) -> None:
@@ -232,7 +260,7 @@ class ModuleHooks:
     def _post_hook(self, info: ModuleInfo) -> Callable:
         def post(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             rec = self.record
-            leaves = tree_flatten(output)[0]
+            leaves = _leaves(output)
             if _in_backward():
                 if self.op_level and self.stack:
                     self.stack.pop()
@@ -245,38 +273,45 @@ class ModuleHooks:
             else:
                 n = info.calls
                 info.calls += 1
-            if not (info.selected or not rec.full):
+            if rec.full and not info.selected:
                 return None
+            base = self._base(info, "forward", rec.micro_batch, rec.chunk)
             key = f"Module.{info.path}.{info.cls}.forward.{n}"
-            self._forward_entry(info, key, n, args, kwargs, leaves, rec.micro_batch, rec.chunk, recompute=False)
-            hooked = self._hook_grads(info, n, leaves, rec.micro_batch, rec.chunk)
+            if rec.full:
+                self._forward_entry(info, key, n, args, kwargs, leaves, base)
+            else:
+                for i, t in enumerate(leaves):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        rec.flag(t, key, "output", i, base)
+            hooked = self._hook_grads(info, n, leaves, base)
             if not hooked and not torch.is_grad_enabled() and any(
                     isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
-                info.awaiting_recompute.append((n, rec.micro_batch, rec.chunk))
+                info.awaiting_recompute.append((n, base))
             return None
         return post
 
     def _forward_entry(self, info: ModuleInfo, key: str, n: int, args: tuple, kwargs: dict, leaves: list,
-                       mb: int, chunk: int, *, recompute: bool) -> None:
+                       base: dict[str, Any], *, recompute: bool = False) -> None:
         rec = self.record
-        entry = self._base(info, "forward", mb, chunk)
+        entry = dict(base)
         if recompute:
             entry["ps_recompute"] = True
         save = rec.saves(key)
-        if rec.full and (self.inputs or save):
+        if self.inputs or save:
             inp = lay.unknown(self.parallel)  # an input's spread is its producer's: unknown here
             entry["input_args"] = [rec.value(a, key, "input_args", i, inp, save) for i, a in enumerate(args)]
             entry["input_kwargs"] = {k: rec.value(v, key, f"input_kwargs.{k}", 0, inp, save)
                                      for k, v in kwargs.items()}
-        elif rec.full:
+        else:
             entry["input_args"], entry["input_kwargs"] = [], {}
         entry["output"] = [rec.value(t, key, "output", i, info.layout(i, self.parallel), save)
                            for i, t in enumerate(leaves)]
         rec.add(key, entry)
-        parent = self._parent_key(info, "forward")
-        self.parents[key] = parent
-        if rec.full and n == 0 and not recompute:
-            self.stacks.setdefault(tuple(_call_site()), []).append(key)
+        self.parents[key] = self._parent_key(info, "forward")
+        if n == 0 and not recompute and info.call_site is None:
+            info.call_site = _call_site()
+        if n == 0 and not recompute:
+            self.stacks.setdefault(info.call_site, []).append(key)
 
     def _parent_key(self, info: ModuleInfo, phase: str) -> str | None:
         """The enclosing module call's key (op level, where the stack is known), else None."""
@@ -285,41 +320,45 @@ class ModuleHooks:
                 return f"Module.{other.path}.{other.cls}.{phase}.{n}"
         return None
 
-    def _hook_grads(self, info: ModuleInfo, n: int, leaves: list, mb: int, chunk: int) -> bool:
+    def _hook_grads(self, info: ModuleInfo, n: int, leaves: list, base: dict[str, Any]) -> bool:
         idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not idx:
             return False
         key = f"Module.{info.path}.{info.cls}.backward.{n}"
-        width = len(leaves)
+        back = {**base, "ps_phase": "backward"}
+        back.pop("ps_recompute", None)
         for i in idx:
-            leaves[i].register_hook(self._grad_hook(info, key, n, i, width, mb, chunk))
+            handle = leaves[i].register_hook(self._grad_hook(info, key, i, len(leaves), back))
+            if leaves[i].grad_fn is None:  # a leaf handed back as an output (a bias parameter): it outlives the
+                self._handles.append(handle)  # iteration, so its hook is taken off at the end
         return True
 
-    def _grad_hook(self, info: ModuleInfo, key: str, n: int, i: int, width: int, mb: int, chunk: int) -> Callable:
+    def _grad_hook(self, info: ModuleInfo, key: str, i: int, width: int, base: dict[str, Any]) -> Callable:
         def grad(g: torch.Tensor) -> None:
             rec = self.record
             if rec is None or g is None:
                 return None
+            if not rec.full:
+                rec.flag(g, key, "input", i, base)
+                return None
             entry = rec.entries.get(key)
             if entry is None:
-                entry = rec.add(key, {**self._base(info, "backward", mb, chunk), "input": [None] * width,
-                                      "output": []})
+                entry = rec.add(key, {**base, "input": [None] * width, "output": []})
                 self.parents[key] = None
             entry["input"][i] = rec.tensor(g, key, "input", i, info.grad_layout(i, self.parallel), rec.saves(key))
             return None
         return grad
 
     def _recompute(self, info: ModuleInfo, args: tuple, kwargs: dict, leaves: list) -> None:
+        """A forward re-run inside backward: the grads of its outputs belong to the call it re-runs."""
         rec = self.record
-        if info.awaiting_recompute:
-            n, mb, chunk = info.awaiting_recompute.pop(0)
-        else:
-            n, mb, chunk = -1, rec.micro_batch, rec.chunk
-        if rec.full and info.selected and n >= 0:
+        if not info.awaiting_recompute or (rec.full and not info.selected):
+            return
+        n, base = info.awaiting_recompute.pop(0)
+        if rec.full:
             key = f"Module.{info.path}.{info.cls}.recompute.{n}"
-            self._forward_entry(info, key, n, args, kwargs, leaves, mb, chunk, recompute=True)
-        if n >= 0 and (info.selected or not rec.full):
-            self._hook_grads(info, n, leaves, mb, chunk)
+            self._forward_entry(info, key, n, args, kwargs, leaves, base, recompute=True)
+        self._hook_grads(info, n, leaves, base)
 
     def detach(self) -> None:
         """After the iteration: tensor hooks that fire later (a graph kept alive) record nothing."""

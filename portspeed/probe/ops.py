@@ -41,6 +41,11 @@ _METADATA = {"__get__", "__set__", "size", "dim", "stride", "numel", "nelement",
              "__float__", "item", "tolist", "type", "register_hook", "retain_grad", "requires_grad_", "backward",
              "has_names", "_is_view", "__reduce_ex__", "__deepcopy__", "is_nonzero", "__array__", "numpy",
              "_typed_storage", "storage", "__dlpack__", "__iter__", "__contains__", "data", "grad_fn"}
+#: calls whose output holds exactly the elements of their first argument (a view, a copy, a layout change): the
+#: output's statistics are the argument's, so they are not measured again
+_SAME_ELEMENTS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "flatten", "unflatten",
+                  "squeeze", "unsqueeze", "contiguous", "detach", "clone", "movedim", "swapaxes", "swapdims",
+                  "__get__"}
 _names: dict[Any, tuple[str, str]] = {}
 
 
@@ -79,6 +84,7 @@ class OpRecorder(TorchFunctionMode):
         self.in_call: dict[tuple[int, int], int] = {}  # (id(module info), call) -> ops so far
         self.reduced: set[tuple[int, int]] = set()  # module calls whose collective ran (row-parallel reduces)
         self.parents: dict[str, str | None] = {}
+        self._layouts: dict[tuple[int, bool], dict[str, Any]] = {}
         self.on = True
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -98,11 +104,13 @@ class OpRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         leaves = tree_flatten(out)[0]
         if not any(isinstance(t, torch.Tensor) for t in leaves):
-            return out
+            if not (inplace and args and isinstance(args[0], torch.Tensor)):
+                return out
+            leaves = [args[0]]  # __setitem__ returns None: what it wrote is its first argument
         if not inplace:
             pending = self._inputs(key, args, kwargs, save)
         self.counts[(family, name)] = c + 1
-        self._add(key, name, where, pending, leaves, save)
+        self._add(key, name, where, pending, leaves, save, args)
         return out
 
     def _inputs(self, key: str, args: tuple, kwargs: dict, save: bool) -> tuple[list, dict]:
@@ -113,13 +121,14 @@ class OpRecorder(TorchFunctionMode):
         return ([_arg(a, rec, key, "input_args", i, save) for i, a in enumerate(args)],
                 {k: _arg(v, rec, key, f"input_kwargs.{k}", 0, save) for k, v in kwargs.items()})
 
-    def _add(self, key: str, name: str, where: Any, pending: tuple[list, dict], leaves: list, save: bool) -> None:
+    def _add(self, key: str, name: str, where: Any, pending: tuple[list, dict], leaves: list, save: bool,
+             args: tuple = ()) -> None:
         rec = self.record
         if where is not None:
             info, call = where
             slot = (id(info), call)
             index = self.next_index(where)
-            out_layout = lay.op_layout(info.module, slot in self.reduced, self.parallel)
+            out_layout = self._layout(info.module, slot in self.reduced)
             entry: dict[str, Any] = {"ps_micro_batch": rec.micro_batch, "ps_chunk": rec.chunk, "ps_phase": "forward",
                                      "ps_module": info.path, "ps_class": info.cls, "ps_local_path": info.local_path,
                                      "ps_layer": info.layer if info.layer is not None else -1, "ps_op": name,
@@ -128,16 +137,30 @@ class OpRecorder(TorchFunctionMode):
                 entry["ps_expert"] = info.expert
             parent = f"Module.{info.path}.{info.cls}.forward.{call}"
         else:
-            out_layout = lay.op_layout(None, False, self.parallel)
+            out_layout = self._layout(None, False)
             entry = {"ps_micro_batch": rec.micro_batch, "ps_chunk": rec.chunk, "ps_phase": "forward",
                      "ps_module": None, "ps_class": None, "ps_local_path": None, "ps_layer": -1, "ps_op": name,
                      "ps_op_index": -1, "ps_call": -1}
             parent = None
-        if rec.full:
-            entry["input_args"], entry["input_kwargs"] = pending
-        entry["output"] = [rec.value(t, key, "output", i, out_layout, save) for i, t in enumerate(leaves)]
+        if not rec.full:  # the NaN watch: flags of the outputs, entries only if one turns out non-finite
+            for i, t in enumerate(leaves):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    rec.flag(t, key, "output", i, entry, out_layout)
+            return
+        entry["input_args"], entry["input_kwargs"] = pending
+        same = args[0] if name in _SAME_ELEMENTS and len(leaves) == 1 and args and isinstance(args[0], torch.Tensor) \
+            else None
+        entry["output"] = [rec.value(t, key, "output", i, out_layout, save, same) for i, t in enumerate(leaves)]
         rec.add(key, entry)
         self.parents[key] = parent
+
+    def _layout(self, module: Any, reduced: bool) -> dict[str, Any]:
+        """The op layout inside ``module`` (one dict per module and side of its reduce, shared by the entries)."""
+        key = (id(module), reduced)
+        got = self._layouts.get(key)
+        if got is None:
+            got = self._layouts[key] = lay.op_layout(module, reduced, self.parallel)
+        return got
 
     def next_index(self, where: tuple[Any, int]) -> int:
         """The next op index inside the module call ``where`` (ops and collectives share it)."""

@@ -71,6 +71,14 @@ def record_params(record: IterationRecord, table: ModuleTable, parallel: lay.Par
             continue
         fields: dict[str, Any] = {}
         key = f"Module.{info.path}.{info.cls}.{phase}.0"
+
+        def base(info: Any = info) -> dict[str, Any]:
+            return {"ps_micro_batch": -1, "ps_chunk": info.chunk, "ps_phase": phase, "ps_module": info.path,
+                    "ps_class": info.cls, "ps_local_path": info.local_path,
+                    "ps_layer": info.layer if info.layer is not None else (
+                        -1 if info.path.startswith("embedding") else table.num_layers),
+                    **({"ps_expert": info.expert} if info.expert is not None else {})}
+
         save = record.saves(key)
         for name, param in info.module.named_parameters(recurse=False):
             if id(param) in seen or not param.requires_grad:
@@ -78,7 +86,8 @@ def record_params(record: IterationRecord, table: ModuleTable, parallel: lay.Par
             seen.add(id(param))
             t = _tensor_of(param, phase)
             if t is None:
-                fields[name] = [None]
+                if record.full:
+                    fields[name] = [None]
                 continue
             shard = _shard_range(param, leaves)
             meta: dict[str, Any] = {}
@@ -86,14 +95,12 @@ def record_params(record: IterationRecord, table: ModuleTable, parallel: lay.Par
                 start, end = shard if shard is not None else (0, 0)
                 t = t.view(-1)[start:end]
                 meta = {"ps_shard": {"start": start, "end": end, "numel": param.numel()}}
-            rec = record.tensor(t, key, name, 0, lay.param_layout(info.module, name, parallel,
-                                                                   shard=shard is not False), save)
-            fields[name] = [{**rec, **meta}]
+            layout = lay.param_layout(info.module, name, parallel, shard=shard is not False)
+            if record.full:
+                fields[name] = [{**record.tensor(t, key, name, 0, layout, save), **meta}]
+            else:
+                record.flag(t, key, name, 0, base(), layout)
             count += 1
         if fields:
-            record.add(key, {"ps_micro_batch": -1, "ps_chunk": info.chunk, "ps_phase": phase, "ps_module": info.path,
-                             "ps_class": info.cls, "ps_local_path": info.local_path,
-                             "ps_layer": info.layer if info.layer is not None else (
-                                 -1 if info.path.startswith("embedding") else table.num_layers),
-                             **({"ps_expert": info.expert} if info.expert is not None else {}), **fields})
+            record.add(key, {**base(), **fields})
     return count

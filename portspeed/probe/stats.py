@@ -7,22 +7,23 @@ one transfer per device, at the iteration's end.
 
 Two records per tensor:
 
-- **full** (``add_full``): ``[Max, Min, Sum, Norm, NaN count, Inf count]`` in float64. Max and Min
-  are exact (taken in the tensor's own dtype, then widened); Sum and Norm are computed in float64
-  over every element, so one non-finite element makes them non-finite; the Mean is Sum / count on
-  the host.
+- **full** (``add_full``): ``[Max, Min, Sum, Norm, NaN count, Inf count]`` in float64, over a float64
+  copy (widening is exact, so Max and Min are the tensor's own); Sum and Norm are computed in
+  float64 over every element, so one non-finite element makes them non-finite; the Mean is Sum /
+  count on the host.
 - **flag** (``add_flag``): ``[Sum]`` in float64, one reduction. Finite float16 / bfloat16 /
   float32 values cannot overflow a float64 sum, so the sum is non-finite exactly when an element
   is (``--probe-nan`` on every iteration; a float64 tensor near its range could overflow: such a
   flag is a false alarm the full statistics would not raise).
 
-Everything runs under ``no_grad`` on a ``detach()``-ed view, with torch-function handling off (an
-op-level probe's mode must not see the probe's own arithmetic): nothing joins autograd's graph,
-nothing is written, no random number is drawn.
+Everything runs on a ``detach()``-ed view (nothing joins autograd's graph), with torch-function
+handling off while an op-level mode is pushed (it must not see the probe's own arithmetic); nothing
+is written, no random number is drawn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -35,6 +36,7 @@ FULL = ("Max", "Min", "Sum", "Norm", "ps_nan", "ps_inf")
 #: fields of a flag record
 FLAG = ("Sum",)
 _F64 = torch.float64
+_NO_GUARD = contextlib.nullcontext()
 
 
 def describe(t: torch.Tensor) -> dict[str, Any]:
@@ -51,69 +53,75 @@ def _measurable(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not t.is_complex() and t.device.type != "meta"
 
 
+#: above this many elements the statistics read the tensor in place (each reduction widening as it reads) rather
+#: than from a float64 copy: the copy saves torch calls, which is what a small tensor costs, but writes and re-reads
+#: twice the bytes, which is what a large one costs
+COPY_BELOW = 1 << 16
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
+    """``[Max, Min, Sum, Norm, NaN count, Inf count]`` in float64 (widening is exact: Max and Min are the tensor's
+    own)."""
     x = t.detach()
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
+    if x.numel() < COPY_BELOW or not x.is_floating_point():
+        x = x.to(_F64)
+        lo, hi = torch.aminmax(x)
+        return torch.stack([hi, lo, x.sum(), torch.linalg.vector_norm(x), torch.isnan(x).sum(), torch.isinf(x).sum()])
     lo, hi = torch.aminmax(x)
-    if not x.is_floating_point():
-        zero = torch.zeros((), dtype=_F64, device=x.device)
-        return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64),
-                            torch.linalg.vector_norm(x.to(_F64)), zero, zero])
-    nan = torch.isnan(x).sum()
-    nonfinite = x.numel() - torch.isfinite(x).sum()
-    return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64),
-                        torch.linalg.vector_norm(x, dtype=_F64), nan.to(_F64), (nonfinite - nan).to(_F64)])
+    return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64), torch.linalg.vector_norm(x, dtype=_F64),
+                        torch.isnan(x).sum().to(_F64), torch.isinf(x).sum().to(_F64)])
+
+
+def _guarded() -> Any:
+    """Torch-function handling off while an op-level mode is pushed (it must not see the probe's arithmetic)."""
+    return torch._C.DisableTorchFunction() if torch._C._is_torch_function_mode_enabled() else _NO_GUARD
 
 
 class StatsBatch:
     """The statistics queued in one iteration, each a slot; ``read()`` returns every slot's values on the host."""
 
     def __init__(self) -> None:
-        self._parts: dict[torch.device, list[torch.Tensor]] = {}
-        self._where: list[tuple[torch.device, int, int]] = []  # slot -> (device, index in its list, length)
+        #: (device, width) -> queued results of that width: 6 (full), 1 (flags and values, kept 0-d)
+        self._parts: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+        self._where: list[tuple[tuple[torch.device, int], int]] = []  # slot -> (its list, index in it)
 
     def __len__(self) -> int:
         return len(self._where)
 
-    def _queue(self, values: torch.Tensor) -> int:
-        parts = self._parts.setdefault(values.device, [])
+    def _queue(self, values: torch.Tensor, width: int) -> int:
+        parts = self._parts.setdefault((values.device, width), [])
         parts.append(values)
-        self._where.append((values.device, len(parts) - 1, values.numel()))
+        self._where.append(((values.device, width), len(parts) - 1))
         return len(self._where) - 1
 
     def add_full(self, t: torch.Tensor) -> int | None:
         """Queue the full statistics of ``t``; the slot, or None for a tensor that has none (no elements, complex)."""
         if not _measurable(t):
             return None
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            return self._queue(_full(t))
+        with _guarded():  # a detached tensor records no graph: no no_grad() needed
+            return self._queue(_full(t), len(FULL))
 
     def add_flag(self, t: torch.Tensor) -> int | None:
         """Queue the float64 sum of ``t`` (non-finite exactly when an element is); None when it has no elements."""
         if not _measurable(t):
             return None
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            return self._queue(torch.sum(t.detach(), dtype=_F64).reshape(1))
+        with _guarded():
+            return self._queue(torch.sum(t.detach(), dtype=_F64), 1)
 
     def add_value(self, t: torch.Tensor) -> int:
         """Queue a scalar tensor as it is (a loss scale)."""
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            return self._queue(t.detach().to(_F64).reshape(1))
+        with _guarded():
+            return self._queue(t.detach().to(_F64).reshape(()), 1)
 
     def read(self) -> list[list[float]]:
-        """Every slot's values, in slot order: one host transfer per device. The batch is emptied."""
-        host: dict[torch.device, list[float]] = {}
-        offsets: dict[torch.device, list[int]] = {}
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            for device, parts in self._parts.items():
-                host[device] = torch.cat(parts).cpu().tolist()
-                starts, at = [], 0
-                for p in parts:
-                    starts.append(at)
-                    at += p.numel()
-                offsets[device] = starts
-        out = [host[d][offsets[d][i]:offsets[d][i] + n] for d, i, n in self._where]
+        """Every slot's values, in slot order: one stack and one host transfer per device and width. The batch is
+        emptied."""
+        host: dict[tuple[torch.device, int], list] = {}
+        with _guarded():
+            for key, parts in self._parts.items():
+                values = torch.stack(parts).cpu().tolist()
+                host[key] = values if key[1] != 1 else [[v] for v in values]
+        out = [host[key][i] for key, i in self._where]
         self._parts, self._where = {}, []
         return out
 
