@@ -8,20 +8,28 @@ test device's testccl). The script imports no framework (plain torch): the worke
 launch, so recording starts there (tests/test_trace_unrecorded.py: the ranks that never record). A control
 run with no fault, dumped at exit, leaves `why-hung` with exit 1. One child
 checks the recorder itself: torch's fields, the ring bound, results untouched, a dump on SIGUSR1.
+
+On torch >= 2.15 (CI leg 2 runs the cases marked torch_hooks) torch records Gloo's collectives and testccl's
+calls itself: the same faults must give the same first line from torch's entries and portspeed's together, no
+call may be in both (read back merged, every group's sequence numbers once per rank), and torch's own analyser
+(fr_trace) must read torch's dump of the run.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import re
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from helpers.launch import REPO, free_port, run_python, run_snippet
 
-from portspeed.cli import why_hung
+from portspeed.cli import trace_dumps, why_hung
+from portspeed.comm.trace_torch import TORCH_GLOO_DUMP_PREFIX, records_itself
 
 SCRIPT = REPO / "tests" / "data" / "trace_faults.py"
 HANG_S = 10
@@ -75,8 +83,25 @@ FAULTS = {
 
 #: backend label -> environment: every fault runs on each (testdev cases marked testdev)
 BACKENDS = {"cpu": {}, "standin": {"PORTSPEED_BACKEND": "standin"}, "testdev": {"PORTSPEED_ACCELERATOR": "testdev"}}
-CASES = [pytest.param(b, m, id=f"{b}-{m}", marks=[pytest.mark.testdev] if b == "testdev" else [])
+CASES = [pytest.param(b, m, id=f"{b}-{m}", marks=([pytest.mark.testdev] if b == "testdev" else [])
+                      + ([pytest.mark.torch_hooks] if b != "standin" else []))
          for b in BACKENDS for m in FAULTS]
+#: torch >= 2.15: torch's own recorder holds Gloo's collectives and testccl's calls (portspeed.comm.trace_torch)
+TORCH_RECORDS = records_itself()
+
+
+def _no_call_twice(folder: Path, backend: str) -> None:
+    """torch >= 2.15: torch's dumps are there and, read back merged, no rank lists one call twice."""
+    prefix = {"cpu": TORCH_GLOO_DUMP_PREFIX, "testdev": "torch_fr_trace_rank_"}[backend]
+    assert list(folder.glob(f"{prefix}?")), sorted(p.name for p in folder.iterdir())
+    for rank, d in trace_dumps.load(str(folder)).items():
+        if "torch_records" not in d:
+            continue  # a rank read from its write-through file (killed hard): one recorder's numbering anyway
+        assert "(with " in d["reason"], d["reason"]  # torch's dump, or the write-through file if the rank ended first
+        keys = [(tuple(e["process_group"][:2]), bool(e.get("is_p2p")),
+                 e.get("p2p_seq_id") if e.get("is_p2p") else e.get("collective_seq_id"))
+                for e in d["entries"] if e["process_group"][0]]  # the unnamed group: testccl's inner Gloo group
+        assert len(keys) == len(set(keys)), (rank, sorted(keys))
 
 
 @pytest.mark.parametrize("backend,mode", CASES)
@@ -100,6 +125,13 @@ def test_planted_fault_is_named_in_the_closing_lines(backend: str, mode: str, tm
         assert re.search(rf"rank {r} \(local rank {r} on .*\) killed by SIGABRT", text), text[-4000:]
         assert (folder / f"portspeed_last_calls_{r}.txt").exists()
     assert dumped, text[-4000:]
+    if TORCH_RECORDS and backend != "standin":
+        _no_call_twice(folder, backend)
+        if mode == "skip":  # torch's own analyser reads torch's dump of the run (Gloo's needs portspeed's pg_config rows)
+            prefix = {"cpu": TORCH_GLOO_DUMP_PREFIX, "testdev": "torch_fr_trace_rank_"}[backend]
+            out = run_python(["-m", "torch.distributed.flight_recorder.fr_trace", "--prefix", prefix, str(folder)],
+                             timeout=120)
+            assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     if backend != "cpu":  # the CCL's inner group: listed (and, for the stand-in, its ring steps recorded) as staging
         owner = {"standin": "standin", "testdev": "testccl"}[backend]
         d = pickle.loads((folder / f"portspeed_trace_rank_{dumped[0]}").read_bytes())
@@ -121,12 +153,13 @@ def test_control_run_dumped_at_exit_shows_no_divergence(tmp_path: Path) -> None:
     assert re.search(r"rank 0 sum 128\.0", text) and re.search(r"rank 1 sum 128\.0", text), text[-2000:]
     code, out = why_hung.answer(str(folder))
     assert code == 1 and out[0].startswith("no divergence"), out
-    assert "rank 0: exit, rank 1: exit" in out[-1]
+    assert re.search(r"rank 0: exit( \(with torch_fr_gloo_rank_0\))?, rank 1: exit", out[-1]), out[-1]
     _nothing_left(folder)
 
 
 def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
-    """One rank, Gloo: torch's fields; the ring keeps the last N; the result is the unrecorded one; SIGUSR1 dumps."""
+    """One rank, Gloo: torch's fields; the ring keeps the last N; the result is the unrecorded one; SIGUSR1 dumps.
+    torch's own recorder off (TORCH_FR_BUFFER_SIZE=0): on torch >= 2.15 portspeed then records Gloo's calls itself."""
     res = run_snippet(f'''
         import json, os, pickle, signal, time, torch, torch.distributed as dist
         import portspeed
@@ -168,7 +201,8 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
                               for e in d["entries"]]}}, default=str), flush=True)
             dist.destroy_process_group()  # one run under load aborted at exit with the group alive (cause not found)
         main()
-    ''', timeout=180, env={"PORTSPEED_TRACE": "3", "PORTSPEED_TRACE_DIR": str(tmp_path)})
+    ''', timeout=180, env={"PORTSPEED_TRACE": "3", "PORTSPEED_TRACE_DIR": str(tmp_path),
+                           "TORCH_FR_BUFFER_SIZE": "0"})  # torch >= 2.15 records Gloo itself unless told not to
     got = res.check().last_json()
     assert "torch.distributed.broadcast.trace" in got["names"] and "torch.distributed.send.trace" in got["names"]
     assert got["equal"] and got["reason"] == "SIGUSR1"
@@ -182,10 +216,13 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
     assert all(e["state"] == "completed" and e["input_dtypes"] == ["Float"] and e["ps_device"] == "cpu"
                for e in entries)
     assert entries[0]["frames"][0]["name"] == "main"  # the caller, not portspeed's wrapper
-    assert [tuple(x) for x in got["objects"]] == [("all_gather", "all_gather_object", "main"),
+    # all_gather_object gathers with all_gather up to torch 2.14, with all_gather_single (_all_gather_base) from 2.15
+    inner = "all_gather_single" if "all_gather_single(" in inspect.getsource(dist.all_gather_object) else "all_gather"
+    assert [tuple(x) for x in got["objects"]] == [(inner, "all_gather_object", "main"),
                                                   ("broadcast", "broadcast_object_list", "main"),
                                                   ("broadcast", "broadcast_object_list", "main")], got["objects"]
-    assert [tuple(x) for x in got["objects_through"]] == [("gloo:all_gather", "main"), ("gloo:all_gather", "main"),
+    gathered = "gloo:_all_gather_base" if inner == "all_gather_single" else "gloo:all_gather"
+    assert [tuple(x) for x in got["objects_through"]] == [(gathered, "main"), (gathered, "main"),
                                                           ("gloo:broadcast", "main"), ("gloo:broadcast", "main")]
     assert not any("portspeed" in f["filename"] for e in entries for f in e["frames"][:1])
 

@@ -8,7 +8,9 @@ Reads, in DIR: portspeed's dumps (``portspeed_trace_rank_<R>``), torch's (any pi
 ``pg_config``, named ``<prefix><R>``: ``torch_fr_trace_rank_<R>`` on NCCL under portspeed), and
 for a rank with no dump its write-through file (``portspeed_last_calls_<R>.txt``: every call it
 issued, so a rank that died hard still shows its last one). One recorder's numbering for all
-ranks: portspeed's where it covers as many ranks as torch's. A CCL's staging group
+ranks: portspeed's where it covers as many ranks as torch's; on torch >= 2.15, where torch records
+Gloo's collectives and the hooked backends' calls and portspeed the rest, both together
+(``trace_dumps``: each call once). A CCL's staging group
 (``portspeed.comm.trace_staging``) is never the cause; a rank stuck in one is shown in the
 evidence. Then, group by group, in this order, the first finding is the cause:
 

@@ -103,6 +103,10 @@ class Recorder:
         self.staging_groups: list[dict] = []  # pg_config rows of the CCLs' inner groups
         #: torch's own recorder is on (NCCL): a dump also writes torch's, with this (set by portspeed.comm.trace_torch)
         self.torch_dump: Callable[[str, int], None] | None = None
+        #: torch >= 2.15: group -> (torch records its collectives, its point-to-point calls) (set by trace_torch).
+        #: Such calls keep their write-through line, sequence number and in-flight mark here, but their entry is
+        #: torch's (in its dump, which ``torch_dump`` writes beside this one): no call is recorded twice
+        self.torch_records: Callable[[Any], tuple[bool, bool]] | None = None
 
     @property
     def torch_fr(self) -> bool:
@@ -133,8 +137,11 @@ class Recorder:
                 alive = weakref.ref(pg)
             except TypeError:
                 alive = lambda pg=pg: pg  # noqa: E731  (None before init)
-            g = [name, desc, ranks, 0, 0, backend.split(":")[-1], alive, f"{name!r}, {desc!r}", repr(ranks), {}, -1]
+            g = [name, desc, ranks, 0, 0, backend.split(":")[-1], alive, f"{name!r}, {desc!r}", repr(ranks), {}, -1,
+                 False, False]
             g[10] = self._local(g, None)
+            if self.torch_records is not None and name != "?":
+                g[11], g[12] = self.torch_records(pg)  # [11] collectives, [12] point-to-point: torch's entries
             self.groups[id(pg)] = g
         return g
 
@@ -213,7 +220,10 @@ class Recorder:
              "ps_op": name, "ps_peer": peer, "ps_device": device, "ps_async": False, "ps_ranks": g[2]}
         if via:
             e["ps_via"] = via  # the torch function that made this call (all_gather_object, broadcast_object_list...)
-        self.entries.append(e)
+        if g[12 if pp >= 0 else 11]:
+            e["ps_torch"] = True  # torch's recorder holds this call (torch >= 2.15): not entered here
+        else:
+            self.entries.append(e)
         self.in_flight = e
         if self._wt_fd is not None:
             # the repr of the WRITE_THROUGH_FIELDS tuple, its constant parts (group, call site) repr'd once
@@ -261,6 +271,8 @@ class Recorder:
         self.busy = False
         self.in_flight = None
         e["ps_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        if e.get("ps_torch"):  # torch's entry, unless the backend refused the call before torch recorded it (Gloo's
+            self.entries.append(e)  # size checks): kept here, and `why-hung` keeps torch's where both have the call
         self.dump(f"{e['ps_op']} raised {type(error).__name__}")
 
     # ------------------------------------------------------------------ files
@@ -307,16 +319,26 @@ class Recorder:
                     "ps_last_done_ns": self.last_done_ns,
                     # the CCLs' inner calls, apart from torch's "entries" (its reader would pair them as the user's)
                     "ps_staged": [dict(e) for e in list(self.staged)]}
+            if self.torch_records is not None:  # torch >= 2.15: the calls torch records are in its dumps, not here
+                data["ps_torch_records"] = {g[0]: [k for k, on in (("collectives", g[11]), ("p2p", g[12])) if on]
+                                            for g in list(self.groups.values()) if g[11] or g[12]}
             folder = self.folder_now()
             path = os.path.join(folder, f"{DUMP_PREFIX}{rank}")
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "wb") as f:
                 pickle.dump(data, f)
-            if self.torch_dump is not None:  # first: portspeed's file appearing tells the hang watchdog the rank is done
+            # torch's first when the hang watchdog asked (portspeed's file appearing tells it the rank is done); after
+            # on an error, where the launcher's SIGTERM may end the rank during torch's dump (its first one gathers
+            # tracebacks: seconds on a loaded machine): portspeed's file and the write-through file then remain
+            late = reason != "SIGUSR1"
+            if self.torch_dump is not None and not late:
                 self.torch_dump(folder, rank)
             os.replace(tmp, path)
+            if self.torch_dump is not None and late:
+                self.torch_dump(folder, rank)
             self._dumped_for = reason
-            print(f"portspeed trace: rank {rank} dumped {len(entries)} entries ({reason}) to {path}",
+            theirs = " (the calls torch records: in torch's dumps beside it)" if self.torch_records is not None else ""
+            print(f"portspeed trace: rank {rank} dumped {len(entries)} entries ({reason}) to {path}{theirs}",
                   file=sys.stderr, flush=True)
             return path
         except Exception as exc:  # a dump must never end the rank itself
