@@ -60,7 +60,9 @@ def losses(res: Result) -> dict[int, tuple[float, float | None]]:
 
 
 def dump(folder: Path, step: int, rank: int) -> dict[str, Any]:
-    return json.loads((folder / f"step{step}" / f"rank{rank}" / "dump.json").read_text())
+    text = (folder / f"step{step}" / f"rank{rank}" / "dump.json").read_text()
+    assert '"_slot"' not in text and '"_numel"' not in text, "a tensor record was written before its statistics"
+    return json.loads(text)
 
 
 def folders(root: Path) -> list[str]:
@@ -111,6 +113,7 @@ def test_module_level_is_bit_for_bit_records_the_range_and_names_a_planted_nan(t
     assert "Module.embedding.word_embeddings.VocabParallelEmbedding.forward.0" in data  # wrappers stripped
     grads = data["Module.decoder.layers.0.self_attention.linear_qkv.ColumnParallelLinear.parameters_grad.0"]
     assert set(grads) >= {"weight", "bias"} and grads["ps_micro_batch"] == -1
+    assert grads["weight"][0]["Norm"] > 0 and grads["weight"][0]["shape"] == [96, 32]
     assert "Module.decoder.final_layernorm.LayerNorm.parameters_updated.0" in data
     assert [e["ps_seq"] for e in data.values()] == list(range(len(data)))
     construct = json.loads((out / "step2" / "rank0" / "construct.json").read_text())

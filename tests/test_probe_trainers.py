@@ -36,7 +36,9 @@ def _run(nproc: int, adaptor: str, probe: list[str], args: list[str]):
 
 
 def _step(folder: Path, step: int, rank: int) -> dict:
-    return json.loads((folder / f"step{step}" / f"rank{rank}" / "dump.json").read_text())
+    text = (folder / f"step{step}" / f"rank{rank}" / "dump.json").read_text()
+    assert '"_slot"' not in text, "a tensor record was written before its statistics"
+    return json.loads(text)
 
 
 def test_deepspeed_iteration_is_the_accumulation_cycle(tmp_path: Path) -> None:

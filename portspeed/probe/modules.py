@@ -283,9 +283,11 @@ class ModuleHooks:
                 for i, t in enumerate(leaves):
                     if isinstance(t, torch.Tensor) and t.is_floating_point():
                         rec.flag(t, key, "output", i, base)
-            hooked = self._hook_grads(info, n, leaves, base)
-            if not hooked and not torch.is_grad_enabled() and any(
-                    isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+            if torch.is_grad_enabled():
+                self._hook_grads(info, n, leaves, base)
+            elif any(isinstance(t, torch.Tensor) and t.is_floating_point() for t in leaves):
+                # no graph is built (activation checkpointing's first pass; an output may still say
+                # requires_grad, a checkpoint's input handed through): the re-run's outputs get the hooks
                 info.awaiting_recompute.append((n, base))
             return None
         return post

@@ -97,7 +97,9 @@ def record_params(record: IterationRecord, table: ModuleTable, parallel: lay.Par
                 meta = {"ps_shard": {"start": start, "end": end, "numel": param.numel()}}
             layout = lay.param_layout(info.module, name, parallel, shard=shard is not False)
             if record.full:
-                fields[name] = [{**record.tensor(t, key, name, 0, layout, save), **meta}]
+                rec = record.tensor(t, key, name, 0, layout, save)
+                rec.update(meta)  # the same dict the record fills at the iteration's end: not a copy
+                fields[name] = [rec]
             else:
                 record.flag(t, key, name, 0, base(), layout)
             count += 1
