@@ -132,13 +132,20 @@ def output_layout(module: Any, index: int, p: Parallel, name: str = "") -> dict[
 
 
 def grad_layout(module: Any, index: int, p: Parallel, name: str = "") -> dict[str, Any]:
-    """The layout of the gradient of output ``index``: the output's, except the bias a row-parallel linear hands back
-    under sequence parallelism (added to this rank's sequence part only, its gradient is a partial sum over tp)."""
+    """The layout of the gradient of output ``index``: the output's, except for the bias a linear layer hands back
+    (``skip_bias_add``: output 1 of a linear, of ``SelfAttention`` and ``MLP``): it is added to this rank's tokens
+    only, so its gradient is a sum over them, partial over cp, and over tp where the output is split on the
+    sequence (a row-parallel linear under sequence parallelism)."""
     cls = type(module).__name__
-    if index > 0 and p.sp:
-        owner = getattr(module, _ROW_OWNERS[cls], None) if cls in _ROW_OWNERS else module
-        if type(owner).__name__ in _ROW:
-            return _make({}, ["tp"], [], p)
+    owner = getattr(module, _ROW_OWNERS[cls], None) if cls in _ROW_OWNERS else module
+    kind = type(owner).__name__
+    if index > 0 and (kind in _ROW or kind in _COLUMN):
+        partial = (["tp"] if p.sp and kind in _ROW else []) + ["cp"]
+        out = output_layout(module, index, p, name)
+        split = {g: d for g, d in out.get("dims", {}).items() if g not in partial}
+        made = _make(split, partial, out["groups"] if out["kind"] == FULL else [], p)
+        if made["kind"] == "partial":
+            return made
     return output_layout(module, index, p, name)
 
 
