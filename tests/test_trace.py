@@ -144,6 +144,30 @@ def test_planted_fault_is_named_in_the_closing_lines(backend: str, mode: str, tm
     _nothing_left(folder)
 
 
+@pytest.mark.testdev
+@pytest.mark.torch_hooks
+def test_testccl_failure_dumps_torch_buffer_through_its_abort_hook(tmp_path: Path) -> None:
+    """torch >= 2.15: testccl's completion and abort hooks let torch's FlightRecorderHook show the first all_reduce
+    completed and dump, when the second fails (its peer died), with it scheduled; older torch has no hook to dump."""
+    folder = tmp_path / "fr"
+    folder.mkdir()
+    res = run_python(["-m", "portspeed.cli", "run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                      "--master-port", str(free_port()), str(REPO / "tests" / "data" / "testccl_abort.py")],
+                     timeout=BOUND, env={"PORTSPEED_ACCELERATOR": "testdev", "PORTSPEED_FRAMEWORK_MODULES": "__main__",
+                                         "TORCH_FR_DUMP_TEMP_FILE": str(folder / "torch_fr_trace_rank_")},
+                     drop=["PORTSPEED_TRACE", "TORCH_FR_BUFFER_SIZE"])
+    text = res.stdout + res.stderr
+    assert "rank 0 error: " in text and "rank 0: no error" not in text, text[-3000:]
+    dumps = sorted(p.name for p in folder.iterdir())
+    if not TORCH_RECORDS:
+        assert dumps == [], dumps
+        return
+    assert dumps == ["torch_fr_trace_rank_0"], (dumps, text[-3000:])
+    d = pickle.loads((folder / dumps[0]).read_bytes())
+    assert [(e["profiling_name"], e["collective_seq_id"], e["state"]) for e in d["entries"]] == [
+        ("testccl:all_reduce", 1, "completed"), ("testccl:all_reduce", 2, "scheduled")], d["entries"]
+
+
 def test_control_run_dumped_at_exit_shows_no_divergence(tmp_path: Path) -> None:
     folder = tmp_path / "dumps"
     code, lines, text = _launch("none", folder)
