@@ -216,3 +216,22 @@ def test_probing_off_installs_nothing() -> None:
     """, timeout=TIMEOUT, drop=("PORTSPEED_*",))
     assert got == {"probe_patches": [], "session": True, "plain": [True] * 4, "global_hooks": 0,
                    "registered": True}, got
+
+
+@pytest.mark.testdev
+def test_test_device_op_level_is_bit_for_bit(tmp_path: Path) -> None:
+    """On the test device (a C++ PrivateUse1 device and its CCL): op level with the NaN watch changes no loss,
+    raises no false alarm on memory Megatron allocates without writing (its attention buffer), and the dump
+    says where it ran."""
+    def launch(probe: list[str]) -> Result:
+        return run_python(["-m", "portspeed.cli", "run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), *probe, SCRIPT, *MODEL], timeout=TIMEOUT,
+                          env={"PORTSPEED_ACCELERATOR": "testdev"}, drop=("PORTSPEED_*",))
+
+    base = losses(launch([]))
+    out = tmp_path / "probe"
+    assert losses(launch(["--probe", str(out), "--probe-iterations", "2", "--probe-level", "op",
+                          "--probe-nan"])) == base
+    d = dump(out, 2, 0)
+    assert (d["portspeed"]["device"], d["portspeed"]["adapter"]) == ("testdev", "testdev")
+    assert any(e.get("ps_uninitialized") for e in d["data"].values())  # the buffer: recorded, no statistics

@@ -14,7 +14,12 @@ the call.
 Limits: calls made while autograd's engine runs (backward, and recompute re-runs inside it) are
 not recorded: on a GPU they run on the engine's threads, which a mode pushed on the main thread
 does not see, so recording them on the CPU only would make the two dumps differ. Metadata calls
-(``size``, ``dim``, attribute reads, ...) and calls that return no tensor are not recorded.
+(``size``, ``dim``, attribute reads, ...) and calls that return no tensor are not recorded. An
+allocation that writes nothing (``empty``, ``empty_like``, ...) is recorded with ``ps_uninitialized`` and no
+statistics: its memory holds anything, NaN included; so is a view of such memory until something writes it
+(Megatron's global memory buffer). A call whose tensor arguments are all integers or booleans (masks,
+positions, Megatron's check that the CPU RNG state did not move) is bookkeeping and is not recorded.
+The NaN watch does not watch views (a view cannot make a value).
 ``torch.distributed`` functions are not torch functions: collectives are recorded by their own
 wrappers (``portspeed.probe.collectives``). The portable Transformer Engine's kernels are recorded
 as one ``Kernel.<op>`` entry each, the torch functions inside them not (``portspeed.probe.kernel_calls``).
@@ -30,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from portspeed.probe import kernel_calls
 from portspeed.probe import layout as lay
+from portspeed.probe import stats
 from portspeed.probe.entries import IterationRecord
 
 __all__ = ["OpRecorder", "op_name"]
@@ -46,6 +52,8 @@ _METADATA = {"__get__", "__set__", "size", "dim", "stride", "numel", "nelement",
 _SAME_ELEMENTS = {"view", "view_as", "reshape", "reshape_as", "t", "transpose", "permute", "flatten", "unflatten",
                   "squeeze", "unsqueeze", "contiguous", "detach", "clone", "movedim", "swapaxes", "swapdims",
                   "__get__"}
+#: calls that allocate without writing (their output holds whatever the memory held, NaN included)
+_UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 _names: dict[Any, tuple[str, str]] = {}
 
 
@@ -93,7 +101,7 @@ class OpRecorder(TorchFunctionMode):
         if not self.on or name in _METADATA or torch._C._current_graph_task_id() != -1:
             return func(*args, **kwargs)
         where = self.innermost()
-        if where is not None and not self.selected(where[0]):
+        if (where is not None and not self.selected(where[0])) or not _floating(args, kwargs):
             return func(*args, **kwargs)
         c = self.counts.get((family, name), 0)
         key = f"{family}.{name}.{c}.forward"
@@ -110,7 +118,7 @@ class OpRecorder(TorchFunctionMode):
         if not inplace:
             pending = self._inputs(key, args, kwargs, save)
         self.counts[(family, name)] = c + 1
-        self._add(key, name, where, pending, leaves, save, args)
+        self._add(key, name, where, pending, leaves, save, args, inplace)
         return out
 
     def _inputs(self, key: str, args: tuple, kwargs: dict, save: bool) -> tuple[list, dict]:
@@ -122,7 +130,7 @@ class OpRecorder(TorchFunctionMode):
                 {k: _arg(v, rec, key, f"input_kwargs.{k}", 0, save) for k, v in kwargs.items()})
 
     def _add(self, key: str, name: str, where: Any, pending: tuple[list, dict], leaves: list, save: bool,
-             args: tuple = ()) -> None:
+             args: tuple = (), inplace: bool = False) -> None:
         rec = self.record
         if where is not None:
             info, call = where
@@ -142,15 +150,21 @@ class OpRecorder(TorchFunctionMode):
                      "ps_module": None, "ps_class": None, "ps_local_path": None, "ps_layer": -1, "ps_op": name,
                      "ps_op_index": -1, "ps_call": -1}
             parent = None
+        garbage = [_uninitialized(name, t, inplace) for t in leaves]
         if not rec.full:  # the NaN watch: flags of the outputs, entries only if one turns out non-finite
             for i, t in enumerate(leaves):
-                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                # a view made by a call that writes nothing cannot be where a NaN is made: not watched
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not garbage[i] and \
+                        (inplace or t._base is None):
                     rec.flag(t, key, "output", i, entry, out_layout)
             return
         entry["input_args"], entry["input_kwargs"] = pending
-        same = args[0] if name in _SAME_ELEMENTS and len(leaves) == 1 and args and isinstance(args[0], torch.Tensor) \
-            else None
-        entry["output"] = [rec.value(t, key, "output", i, out_layout, save, same) for i, t in enumerate(leaves)]
+        if any(garbage):  # whatever the memory held: no statistics (they would differ run to run), no NaN
+            entry["ps_uninitialized"] = True
+        same = args[0] if name in _SAME_ELEMENTS and len(leaves) == 1 and args and \
+            isinstance(args[0], torch.Tensor) else None
+        entry["output"] = [dict(stats.describe(t), **stats.empty_stats(), ps_layout=out_layout) if garbage[i]
+                           else rec.value(t, key, "output", i, out_layout, save, same) for i, t in enumerate(leaves)]
         rec.add(key, entry)
         self.parents[key] = parent
 
@@ -188,9 +202,51 @@ class OpRecorder(TorchFunctionMode):
             self.__exit__(None, None, None)
 
 
+def _floating(args: tuple, kwargs: dict) -> bool:
+    """Whether a floating-point tensor is among the arguments (one level into lists): calls on integers and
+    booleans alone (masks, positions, Megatron's RNG-state check) are bookkeeping, not the model's arithmetic.
+    An allocation (``empty``, ``zeros``, ...) has no tensor argument and is kept."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (list, tuple)):
+            tensors.extend(x for x in v if isinstance(x, torch.Tensor))
+    return not tensors or any(t.is_floating_point() or t.is_complex() for t in tensors)
+
+
+#: storages (by address) an allocation that writes nothing made, until something writes them or a fresh tensor
+#: takes the address: Megatron's global memory buffer is such a storage, read through views of it
+_UNWRITTEN: set[int] = set()
+
+
+def _uninitialized(name: str, t: Any, inplace: bool) -> bool:
+    """Whether ``t`` (an output of call ``name``) holds memory nothing wrote yet, updating what is known."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return False
+    try:
+        where = t.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor without storage (a subclass): nothing to know
+        return False
+    if name in _UNINITIALIZED:
+        _UNWRITTEN.add(where)
+        return True
+    if inplace or t._base is None:  # written now, or a fresh tensor at that address
+        _UNWRITTEN.discard(where)
+        return False
+    return where in _UNWRITTEN  # a view: as its storage is
+
+
 def _arg(value: Any, rec: IterationRecord, key: str, field: str, index: int, save: bool) -> Any:
     """An argument: a tensor's pending record, tensors inside lists and tuples too (``torch.cat([a, b])``), any
     other value encoded."""
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
         return [_arg(v, rec, key, f"{field}.{index}", j, save) for j, v in enumerate(value)]
+    if isinstance(value, torch.Tensor) and _UNWRITTEN and _unwritten(value):
+        return dict(stats.describe(value), **stats.empty_stats(), ps_uninitialized=True)
     return rec.value(value, key, field, index, None, save)
+
+
+def _unwritten(t: torch.Tensor) -> bool:
+    try:
+        return t.device.type != "meta" and t.untyped_storage().data_ptr() in _UNWRITTEN
+    except RuntimeError:
+        return False
