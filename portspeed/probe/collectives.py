@@ -12,7 +12,10 @@ with the statistics of every tensor argument after it (what the collective wrote
 blocking call, at ``wait()`` for ``async_op=True`` (the caller gets a ``ProbedWork`` whose
 ``wait()`` waits on the real work, then records). Nothing else is changed: the same call, the
 same arguments, the same order. A call made inside a recorded one (torch 2.13's old names
-delegate to the new ones) is passed straight through.
+delegate to the new ones) is passed straight through. A ``batch_isend_irecv``'s operations are recorded as
+msprobe writes a ``P2POp`` (``{class_type, tensor, op, peer, group}``). Calls while autograd's engine runs
+(backward's collectives) are not recorded, as for the ops; a pipeline stage's receive made before its
+micro-batch's forward carries the micro-batch before it (-1 for the first).
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class CollectiveRecorder:
         """Queue the inputs' statistics now; the function that records the outputs (at once or at wait())."""
         import torch
 
+        from portspeed.probe import ops, stats
         from portspeed.probe.entries import encode
 
         rec = self.record
@@ -134,13 +138,19 @@ class CollectiveRecorder:
         save = rec.saves(key)
         tensors = _tensors(args) + _tensors(tuple(kwargs.values()))
 
+        def tensor(v: torch.Tensor, field: str, i: int) -> dict[str, Any]:
+            if ops._UNWRITTEN and ops._unwritten(v):  # a receive buffer from torch.empty: nothing to measure
+                return dict(stats.describe(v), **stats.empty_stats(), ps_uninitialized=True)
+            return rec.tensor(v, key, field, i, None, save)
+
         def arg(v: Any, field: str, i: int) -> Any:
             if isinstance(v, torch.Tensor):
-                return rec.tensor(v, key, field, i, None, save)
-            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                return tensor(v, field, i)
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) or type(x).__name__ == "P2POp"
+                                                    for x in v):
                 return [arg(x, f"{field}.{i}", j) for j, x in enumerate(v)]
             if type(v).__name__ == "P2POp":
-                return {"class_type": "torch.distributed.P2POp", "tensor": rec.tensor(v.tensor, key, field, i, None, save),
+                return {"class_type": "torch.distributed.P2POp", "tensor": tensor(v.tensor, field, i),
                         "op": getattr(v.op, "__name__", str(v.op)), "peer": v.peer, "group": encode(v.group)}
             return encode(v)
 
@@ -163,7 +173,9 @@ class CollectiveRecorder:
         rec.add(key, entry)
 
         def finish() -> None:
-            entry["output"] = [rec.tensor(t, key, "output", i, None, save) for i, t in enumerate(tensors)]
+            for t in tensors:  # written by the collective (a receive buffer is no longer garbage)
+                ops._UNWRITTEN.discard(t.untyped_storage().data_ptr())
+            entry["output"] = [rec.tensor(t, key, "output", i, None, save, fresh=True) for i, t in enumerate(tensors)]
 
         return finish
 

@@ -103,15 +103,16 @@ class IterationRecord:
         """Whether --probe-tensors asks for ``key``'s full tensors."""
         return self._tensors is not None and fnmatch.fnmatchcase(key, self._tensors)
 
-    def slot(self, t: torch.Tensor, same_as: torch.Tensor | None = None) -> int | None:
+    def slot(self, t: torch.Tensor, same_as: torch.Tensor | None = None, fresh: bool = False) -> int | None:
         """The statistics slot of ``t``: queued once per tensor and version (the same tensor handed from module to
         module, a weight read by every micro-batch, is measured once), or ``same_as``'s slot (a view holding the
-        same elements: ``view``, ``transpose``, ...)."""
+        same elements: ``view``, ``transpose``, ...). ``fresh``: measured again whatever was seen (a tensor a
+        collective wrote: c10d's writes need not move the version counter)."""
         try:
             version = t._version
         except (RuntimeError, AttributeError):  # inference tensors have no version counter: never shared
             version = None
-        hit = self._seen.get(id(t))
+        hit = None if fresh else self._seen.get(id(t))
         if version is not None and hit is not None and hit[0]() is t and hit[1] == version and \
                 hit[2] == t.data_ptr():
             return hit[3]
@@ -124,10 +125,10 @@ class IterationRecord:
         return slot
 
     def tensor(self, t: torch.Tensor, key: str, field: str, index: int, layout: dict | None = None,
-               save: bool = False, same_as: torch.Tensor | None = None) -> dict[str, Any]:
+               save: bool = False, same_as: torch.Tensor | None = None, fresh: bool = False) -> dict[str, Any]:
         """``t``'s record in entry ``key`` (its statistics pending); with ``save``, its full tensor is kept."""
         rec = st.describe(t)
-        rec["_slot"], rec["_numel"] = self.slot(t, same_as), t.numel()
+        rec["_slot"], rec["_numel"] = self.slot(t, same_as, fresh), t.numel()
         self._pending.append(rec)
         if layout is not None:
             rec["ps_layout"] = layout
