@@ -2,18 +2,25 @@
 #
 # CI has two legs, and `make test` runs both (`.ci/run` calls it):
 #   leg 1: $(PYTHON) (3.11 on CI), torch 2.13.0 CPU wheel, megatron-core 0.16.1   -> .venv,    constraints.txt
-#   leg 2: Python 3.12, PyPI's torch 2.14.1 (a CUDA build; CI has no GPU),
+#   leg 2: Python 3.12, PyPI's torch 2.15.0 (a CUDA build; CI has no GPU),
 #          megatron-core 0.19.2, DeepSpeed 0.19.8, Megatron-Bridge 0.6.2          -> .venv312, constraints-py312.txt
+#          (torch 2.14.1 on the same stack by hand: `make test-leg2-torch2.14`)
 # One leg alone: `make test-leg1` or `make test-leg2`. Every venv recipe is the same one,
 # parameterised by PYTHON / VENV / CONSTRAINTS / TORCH_VERSION (a recursive make for leg 2).
 PYTHON      ?= python3
 VENV        ?= .venv
 CONSTRAINTS ?= constraints.txt
 # the torch each leg installs first: the `torch==` line of its constraints file (2.13.0 for leg 1,
-# 2.14.1 for leg 2), so the pin and the constraints cannot disagree; a TORCH_VERSION=... that
+# 2.15.0 for leg 2), so the pin and the constraints cannot disagree; a TORCH_VERSION=... that
 # differs from that line fails the venv recipe
 TORCH_VERSION ?= $(shell sed -n 's/^torch==\([^ ]*\).*/\1/p' "$(CONSTRAINTS)" 2>/dev/null)
 PY          := $(VENV)/bin/python
+# A machine's pip configuration may cap torch: the shared build machine's does (`torch<=2.14.1` in
+# /etc/xdg/pip, the releases its disk holds), which makes leg 2's torch 2.15.0 unresolvable. Each leg's
+# constraints file pins its own torch, so every pip command that installs into a leg's venv sets the
+# machine's constraint aside (PIP_CONSTRAINT=/dev/null replaces it for that one command) and answer to
+# the leg's file alone; nothing else is changed, and the machine's configuration is left as it is.
+LEG_PIP     := PIP_CONSTRAINT=/dev/null
 STAMP       := $(VENV)/.installed
 # Python 3.12 for leg 2: PYTHON312=..., else pyenv's 3.12, else a python3.12 that runs
 PYTHON312   ?= $(shell { p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/python3; } || \
@@ -31,8 +38,11 @@ LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/tes
                tests/test_megatron_bridge.py
 LEG1_MARKS  := not cuda_build and not ds_more and not faults and not megatron_bridge
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
+#: ... and, on leg 2's torch 2.15, how portspeed's flight recorder and NaN check live with torch's own hooks
+#: (Gloo's and testccl's recorders, NanCheckHook): the cases marked `torch_hooks`, the test device's included
+LEG2_HOOK_TESTS := tests/test_trace.py tests/test_nan_check.py
 
-.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-stock test-stock-matrix stock-tests megatron-unit-tests bench clean \
+.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-leg2-torch2.14 test-stock test-stock-matrix stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
 ## Debian packages the DeepSpeed tests need: Open MPI (mpirun, and the library mpi4py loads) for
@@ -53,9 +63,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS) | sysdeps
 	  echo "TORCH_VERSION='$(TORCH_VERSION)' is not $(CONSTRAINTS)'s torch== line: pin torch there (or drop TORCH_VERSION=)"; exit 2; }
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: the rest must not pull another torch
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(LEG_PIP) $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	# DS_BUILD_OPS=0: DeepSpeed installs without compiling any op (none is needed on CPU)
-	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	DS_BUILD_OPS=0 $(LEG_PIP) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -89,14 +99,26 @@ test-leg1: $(STAMP) testdev ds-ops
 ## nvidia-resiliency-ext the index lacks) and the HF round trip imports none of them; omegaconf is the one it needs.
 BRIDGE_STAMP := .venv312/.bridge-installed
 $(BRIDGE_STAMP): constraints-py312.txt .venv312/.installed
-	.venv312/bin/python -m pip install -q --no-deps -c constraints-py312.txt megatron-bridge omegaconf
+	$(LEG_PIP) .venv312/bin/python -m pip install -q --no-deps -c constraints-py312.txt megatron-bridge omegaconf
 	touch $@
 
 ## Leg 2: Python 3.12, PyPI torch (CUDA build, no GPU), megatron-core 0.19.2, DeepSpeed 0.19.8, Megatron-Bridge.
 test-leg2: venv312
-	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt ds-ops
+	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt ds-ops testdev
 	$(MAKE) --no-print-directory $(BRIDGE_STAMP)
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m "$(LEG2_MARKS)" $(LEG2_TESTS)
+	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m torch_hooks $(LEG2_HOOK_TESTS)
+
+## torch 2.14.1 on leg 2's stack (Python 3.12, megatron-core 0.19.2, DeepSpeed 0.19.8, the Bridge), by hand since
+## CI's leg 2 moved to torch 2.15.0: its own venv, leg 2's constraints with only the torch pin moved, leg 2's tests.
+T214 := .venv312-torch2.14
+$(T214).constraints.txt: constraints-py312.txt
+	sed 's/^torch==.*/torch==2.14.1/' constraints-py312.txt > $@
+test-leg2-torch2.14: $(T214).constraints.txt
+	@test -n "$(PYTHON312)" || { echo "needs Python 3.12: set PYTHON312=/path/to/python3.12"; exit 2; }
+	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=$(T214) CONSTRAINTS=$(T214).constraints.txt venv ds-ops
+	$(LEG_PIP) $(T214)/bin/python -m pip install -q --no-deps -c $(T214).constraints.txt megatron-bridge omegaconf
+	OMP_NUM_THREADS=1 $(T214)/bin/python -m pytest -q -m "$(LEG2_MARKS)" $(LEG2_TESTS)
 
 venv312:
 	@test -n "$(PYTHON312)" && "$(PYTHON312)" -c 'import sys; assert sys.version_info[:2] == (3, 12)' || { \
@@ -115,7 +137,7 @@ test-stock:
 	else $(MAKE) --no-print-directory stock-tests; fi
 
 stock-tests: $(STAMP)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[stock]"
+	$(LEG_PIP) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[stock]"
 	$(PY) -m portspeed.testing.testdev build
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m stock tests/test_stock_megatron.py tests/test_stock_standin.py tests/test_megatron_unit_runner.py \
 	    tests/test_stock_testdev.py tests/test_stock_llama.py tests/test_megatron_refusals.py tests/test_stock_moe.py \
@@ -129,8 +151,8 @@ test-stock-matrix:
 	@test -n "$(MEGATRON_LM_GIT)" || { echo "set MEGATRON_LM_GIT to a Megatron-LM git directory (e.g. /work/.mirror/NVIDIA+Megatron-LM/repo)"; exit 2; }
 	$(MAKE) --no-print-directory venv
 	$(MAKE) --no-print-directory venv312
-	.venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
-	.venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
+	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
+	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
 	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stock_matrix.py --git "$(MEGATRON_LM_GIT)"
 
 ## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
@@ -143,15 +165,16 @@ FILES ?= $(MEGATRON_UNIT_FILES)
 NPROC ?= 8
 megatron-unit-tests: $(STAMP)
 	@test -n "$(MEGATRON_LM_ROOT)" || { echo "set MEGATRON_LM_ROOT to a Megatron-LM checkout (core_v0.16.x for this venv)"; exit 2; }
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[megatron-tests]"
+	$(LEG_PIP) $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[megatron-tests]"
 	OMP_NUM_THREADS=1 $(PY) -m portspeed.cli megatron-tests --root "$(MEGATRON_LM_ROOT)" --nproc-per-node $(NPROC) \
 	    --timeout 1800 $(FILES)
 
 ## The longer DeepSpeed checks (not in CI): ZeRO-3 on 4 ranks, the pipeline engine (2 stages, 2x2 on
 ## 4 ranks, resume, activation checkpointing), ZeRO-Infinity (nvme), the `deepspeed` launcher,
-## stock DeepSpeed's own failures on CPU.
+## stock DeepSpeed's own failures on CPU; the 2026 features against stock DeepSpeed, qgZ on one node
+## and on 2 nodes x 2 ranks, DeepSpeed's generated zero_to_fp32.py.
 test-deepspeed-more: $(STAMP) testdev ds-ops
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m ds_more tests/test_deepspeed_more.py
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m ds_more tests/test_deepspeed_more.py tests/test_deepspeed_features.py
 
 ## Checkpoints and faults of the example trainer (cross-layout resume, crash during save, restart after a
 ## dead rank, two nodes on one machine): ~6 minutes on 2 cores, so by hand, not CI (docs/reliability.md).
@@ -162,4 +185,4 @@ bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) .venv312 build *.egg-info
+	rm -rf $(VENV) .venv312 $(T214) $(T214).constraints.txt build *.egg-info

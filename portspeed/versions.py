@@ -38,8 +38,11 @@ SOURCE_PACKAGES: dict[str, str] = {"megatron-core": "megatron.core"}
 #: distribution -> the range its patches were checked against (README, supported matrix). The runs behind
 #: each bound: megatron-core 0.15.3-0.19.x, the stock matrix at core_v0.15.3 ... core_v0.19.0 launched from
 #: the checkout's root and from elsewhere (benchmarks/stock_matrix.py, table in docs/megatron.md) and CI's
-#: 0.16.1 / 0.19.2; torch 2.13.0 in CI leg 1, 2.14.1 in leg 2 and by hand on 3.11 (docs/benchmarks.md,
-#: "Gloo on torch 2.14.1"; the upper bound: 2.15 not run, the newest wheel this machine installs is 2.14.1); the
+#: 0.16.1 / 0.19.2; torch 2.13.0 in CI leg 1; 2.15.0 in CI leg 2 from 2026-11-27 (Python 3.12, megatron-core
+#: 0.19.2, DeepSpeed 0.19.8, the Bridge: LEG2_TESTS 411 passed, and the torch_hooks cases of test_trace.py and
+#: test_nan_check.py; Gloo's capability row from `portspeed conformance --declared-gaps`, 2 and 3 ranks; by hand
+#: the test device's suite and stock core_v0.19.0: docs/supported.md, "torch 2.15.0"); 2.14.1 in leg 2 until
+#: then, now by hand (`make test-leg2-torch2.14`), and on 3.11 (docs/benchmarks.md, "Gloo on torch 2.14.1"); the
 #: torch floor by hand on 2026-11-26 (Python 3.11, PyPI's CUDA wheels run on CPU, megatron-core 0.16.1,
 #: DeepSpeed 0.19.8): 2.6.0, 2.8.0 and 2.11.0 pass tests/test_collective_conformance.py, test_router.py
 #: and test_capabilities.py, 2.6.0 also test_megatron_core_parity.py (its testdev cases not run). Gaps
@@ -48,7 +51,7 @@ SOURCE_PACKAGES: dict[str, str] = {"megatron-core": "megatron.core"}
 SUPPORTED: dict[str, str] = {
     "megatron-core": ">=0.15,<0.20",
     "deepspeed": ">=0.19,<0.20",
-    "torch": ">=2.6,<2.15",
+    "torch": ">=2.6,<2.16",
 }
 
 

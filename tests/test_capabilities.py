@@ -295,4 +295,12 @@ def test_gloo_2_14_row_is_checked_and_equals_2_13() -> None:
     assert row.notes == () and row.torch_version == "2.14.1"
     assert {(g.collective, g.effect, g.op, g.dtype) for g in row.gaps} == \
         {(g.collective, g.effect, g.op, g.dtype) for g in prev.gaps}
-    assert any("outside the checked range 2.6-2.14" in n for n in capabilities_for("gloo", "2.15.0").notes)
+    assert any("outside the checked range 2.6-2.15" in n for n in capabilities_for("gloo", "2.16.0").notes)
+
+
+def test_gloo_2_15_row_is_checked_and_equals_2_13() -> None:
+    """torch 2.15.0's conformance run (2026-11-27, 2 and 3 ranks) gave the 2.13 gaps again: a checked row."""
+    row, prev = capabilities_for("gloo", "2.15.0"), capabilities_for("gloo", "2.13.0")
+    assert row.notes == () and row.torch_version == "2.15.0"
+    assert {(g.collective, g.effect, g.op, g.dtype) for g in row.gaps} == \
+        {(g.collective, g.effect, g.op, g.dtype) for g in prev.gaps}

@@ -32,7 +32,9 @@ for every release. torch 2.14.1 (2026-11-26, CPU, 2 and 3 ranks; on Python 3.11,
 CI's leg 2 installs it): the collective
 conformance (``--declared-gaps``) gives the 2.13 row, no more and no less: PREMUL_SUM and
 the flat all_gather_into_tensor output raise raw, every other op and dtype matches the
-reference straight through (docs/benchmarks.md, "Gloo on torch 2.14.1"). PREMUL_SUM
+reference straight through (docs/benchmarks.md, "Gloo on torch 2.14.1"); torch 2.15.0 (2026-11-27,
+CPU, 2 and 3 ranks, Python 3.12, CI's leg 2: `portspeed conformance --adapter cpu --suites collectives
+--declared-gaps`) gives the same row again (docs/benchmarks.md, "Gloo on torch 2.15.0"). PREMUL_SUM
 (2026-11-26, 2 ranks, value-checked): raises on all_reduce and reduce in 2.6.0, 2.8.0 and
 2.13.0; reduce_scatter_tensor ignores it and sums on 2.6.0 and 2.8.0 (a 'wrong' row, as for
 AVG/MAX), and so does the list reduce_scatter on 2.8.0. Its factor is readable on every
@@ -40,7 +42,7 @@ release run (``ReduceOp.factor`` where it exists, the op's ``(type, factor)`` pi
 2.6.0, 2.8.0 and 2.11.0, which have no ``factor``), so the router rewrites it there too; the
 collective conformance passes on 2.6.0, 2.8.0, 2.11.0 and 2.13.0 with these rows.
 Vendor declarations live in the vendor adapters (``portspeed.adapters``).
-Torch versions outside 2.6-2.14 use the nearest checked row, and the record's notes say so.
+Torch versions outside 2.6-2.15 use the nearest checked row, and the record's notes say so.
 
 Example::
 
@@ -95,7 +97,7 @@ KNOWN_BACKENDS: dict[str, str] = {
 }
 
 #: Torch releases whose Gloo behaviour was value-checked.
-CHECKED_TORCH = (Version("2.6"), Version("2.14.99"))
+CHECKED_TORCH = (Version("2.6"), Version("2.15.99"))
 
 #: Collectives that take a reduce op.
 REDUCING_COLLECTIVES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
@@ -245,8 +247,8 @@ def _gloo(v: Version) -> list[Gap]:
         out += _gaps(["all_to_all"], "raises", "Gloo has no list all_to_all before torch 2.12")
     out += _gaps([CHUNK_SHAPED], "raises",
                  "Gloo wants each output chunk of all_gather_into_tensor shaped as the input; flat or stacked "
-                 "outputs and 0-d inputs raise (run on torch 2.13.0 and 2.14.1; the same code read in the 2.7.1 "
-                 "source)")
+                 "outputs and 0-d inputs raise (run on torch 2.13.0, 2.14.1 and 2.15.0; the same code read in the "
+                 "2.7.1 source)")
     return out
 
 
