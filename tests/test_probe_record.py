@@ -62,7 +62,17 @@ def losses(res: Result) -> dict[int, tuple[float, float | None]]:
 def dump(folder: Path, step: int, rank: int) -> dict[str, Any]:
     text = (folder / f"step{step}" / f"rank{rank}" / "dump.json").read_text()
     assert '"_slot"' not in text and '"_numel"' not in text, "a tensor record was written before its statistics"
-    return json.loads(text)
+    return flat(json.loads(text))
+
+
+def flat(d: dict[str, Any]) -> dict[str, Any]:
+    """A dump with each entry's ``ps`` field (portspeed's keys, written there for msprobe's compare) back as
+    ``ps_*`` keys."""
+    for key, entry in d["data"].items():
+        assert isinstance(entry.get("ps"), dict), f"{key}: portspeed's keys belong in one 'ps' field"
+        d["data"][key] = {**{k: v for k, v in entry.items() if k != "ps"},
+                          **{f"ps_{k}": v for k, v in entry["ps"].items()}}
+    return d
 
 
 def folders(root: Path) -> list[str]:

@@ -38,7 +38,10 @@ def _run(nproc: int, adaptor: str, probe: list[str], args: list[str]):
 def _step(folder: Path, step: int, rank: int) -> dict:
     text = (folder / f"step{step}" / f"rank{rank}" / "dump.json").read_text()
     assert '"_slot"' not in text, "a tensor record was written before its statistics"
-    return json.loads(text)
+    d = json.loads(text)
+    d["data"] = {k: {**{f: v for f, v in e.items() if f != "ps"}, **{f"ps_{f}": v for f, v in e["ps"].items()}}
+                 for k, e in d["data"].items()}
+    return d
 
 
 def test_deepspeed_iteration_is_the_accumulation_cycle(tmp_path: Path) -> None:

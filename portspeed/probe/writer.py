@@ -1,7 +1,7 @@
 """The dump files of one iteration on one rank, in msprobe's layout (docs/probe-format.md).
 
 ``DIR/step<I>/rank<R>/``: ``dump.json`` (msprobe's header, portspeed's run meta under
-``"portspeed"``, the entries under ``"data"``), ``construct.json`` (each key -> its parent module
+``"portspeed"``, the entries under ``"data"``, each with portspeed's keys in its ``ps`` field), ``construct.json`` (each key -> its parent module
 call's key, or null), ``stack.json`` (msprobe's ``{"<i>": [[keys], [frames]]}``: the call site of
 each module's first call) and, with ``--probe-tensors``, ``tensors/<key>.<field>.<i>.pt``. Each file
 is written to a temporary name and renamed, so a reader never sees half a file, compactly (no indentation:
@@ -16,10 +16,24 @@ import json
 import os
 from typing import Any
 
-__all__ = ["step_folder", "write_dump", "existing_dumps", "LEVELS"]
+__all__ = ["step_folder", "write_dump", "existing_dumps", "nest", "LEVELS"]
 
 #: --probe-level -> msprobe's level name
 LEVELS = {"module": "L0", "op": "mix"}
+
+
+def nest(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry as written: msprobe's fields as they are, portspeed's ``ps_*`` keys in one ``ps`` field without
+    the prefix (msprobe's compare takes every other field of an entry for tensors and fails on a number)."""
+    out: dict[str, Any] = {}
+    ps: dict[str, Any] = {}
+    for k, v in entry.items():
+        if k.startswith("ps_"):
+            ps[k[3:]] = v
+        else:
+            out[k] = v
+    out["ps"] = ps
+    return out
 
 
 def step_folder(root: str, iteration: int, rank: int) -> str:
@@ -49,7 +63,8 @@ def write_dump(root: str, iteration: int, rank: int, *, level: str, meta: dict[s
     os.makedirs(folder, exist_ok=True)
     tensors = os.path.join(folder, "tensors")
     dump = {"task": "statistics", "level": LEVELS[level], "framework": "pytorch",
-            "dump_data_dir": tensors if tensor_files else None, "portspeed": meta, "data": entries}
+            "dump_data_dir": tensors if tensor_files else None, "portspeed": meta,
+            "data": {key: nest(entry) for key, entry in entries.items()}}
     _write_json(os.path.join(folder, "dump.json"), dump)
     _write_json(os.path.join(folder, "construct.json"), {k: construct.get(k) for k in entries})
     _write_json(os.path.join(folder, "stack.json"),
