@@ -15,7 +15,9 @@ same arguments, the same order. A call made inside a recorded one (torch 2.13's 
 delegate to the new ones) is passed straight through. A ``batch_isend_irecv``'s operations are recorded as
 msprobe writes a ``P2POp`` (``{class_type, tensor, op, peer, group}``). Calls while autograd's engine runs
 (backward's collectives) are not recorded, as for the ops; a pipeline stage's receive made before its
-micro-batch's forward carries the micro-batch before it (-1 for the first).
+micro-batch's forward carries the micro-batch before it (-1 for the first). A call inside a
+``_coalescing_manager`` batch runs when the batch closes: its entry has its inputs, ``"ps_coalesced": true``
+and no output.
 """
 
 from __future__ import annotations
@@ -172,12 +174,25 @@ class CollectiveRecorder:
             self.parents[key] = None
         rec.add(key, entry)
 
+        if _coalescing():  # issued at the batch's end, which this call cannot see: no output recorded
+            entry["ps_coalesced"] = True
+            entry["output"] = []
+            return None
+
         def finish() -> None:
             for t in tensors:  # written by the collective (a receive buffer is no longer garbage)
                 ops._UNWRITTEN.discard(t.untyped_storage().data_ptr())
             entry["output"] = [rec.tensor(t, key, "output", i, None, save, fresh=True) for i, t in enumerate(tensors)]
 
         return finish
+
+
+def _coalescing() -> bool:
+    """Whether a ``_coalescing_manager`` batch is open (its calls run when the batch closes)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    state = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    return bool(state) and any(state.values())
 
 
 def _tensors(values: tuple) -> list:
