@@ -24,7 +24,6 @@ import torch
 from portspeed import config
 from portspeed.errors import ConfigError
 from portspeed.probe import collectives, meta, nan, writer
-from portspeed.probe import layout as lay
 from portspeed.probe.entries import IterationRecord
 from portspeed.probe.modules import ModuleHooks, ModuleTable
 from portspeed.probe.ops import OpRecorder
