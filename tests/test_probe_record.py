@@ -186,10 +186,11 @@ def _loop_losses(text: str, prefix: str) -> dict[int, str]:
 def test_own_loop_marks_iterations_with_one_call(tmp_path: Path) -> None:
     """A plain torch loop (DDP, Gloo, 2 ranks) with portspeed.probe.iteration(), trained a second time in the same
     launch with the call: the same losses; both ranks' dumps of iteration 2 (DDP's wrapper stripped, two
-    micro-batches, parameters around the torch optimizer's step); a NaN planted at iteration 3 named, job ended."""
+    micro-batches, inputs, only the modules asked for, parameters around the torch optimizer's step); a NaN
+    planted at iteration 3 named, job ended."""
     out = tmp_path / "probe"
-    res = portspeed_run(2, ["--probe", str(out), "--probe-iterations", "2", "--probe-nan"], LOOP,
-                        ["--nan-at", "3"], adaptor="none")
+    res = portspeed_run(2, ["--probe", str(out), "--probe-iterations", "2", "--probe-nan", "--probe-inputs",
+                            "--probe-modules", "body*"], LOOP, ["--nan-at", "3"], adaptor="none")
     assert res.returncode != 0, "a NaN must end the job"
     plain, probed = _loop_losses(res.stdout, "plain "), _loop_losses(res.stdout, "")
     assert sorted(plain) == [1, 2, 3] and probed == {i: plain[i] for i in (1, 2)}, res.stdout[-2000:]
@@ -199,10 +200,12 @@ def test_own_loop_marks_iterations_with_one_call(tmp_path: Path) -> None:
     d = dump(out, 2, 1)
     assert d["portspeed"]["framework"] == "loop" and d["portspeed"]["micro_batches"] == 2
     data = d["data"]
-    for key in ("Module.body.0.Linear.forward.1", "Module.body.0.Linear.backward.1", "Module.head.Linear.forward.0",
-                "Module.body.0.Linear.parameters_grad.0", "Module.head.Linear.parameters_updated.0"):
+    for key in ("Module.body.0.Linear.forward.1", "Module.body.0.Linear.backward.1",
+                "Module.body.0.Linear.parameters_grad.0", "Module.body.2.LayerNorm.parameters_updated.0"):
         assert key in data, key
-    assert data["Module.body.0.Linear.forward.1"]["ps_micro_batch"] == 1
+    assert not any("Module.head." in k for k in data), "--probe-modules body*: the head is not recorded"
+    fwd = data["Module.body.0.Linear.forward.1"]
+    assert fwd["ps_micro_batch"] == 1 and fwd["input_args"][0]["shape"] == [4, 8]  # --probe-inputs
 
 
 def test_probing_off_installs_nothing() -> None:
