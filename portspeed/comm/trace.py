@@ -37,7 +37,10 @@ Contract
   inner staging groups are listed and, for the stand-in, their steps recorded apart
   (``portspeed.comm.trace_staging``); on NCCL torch's own recorder runs too
   (``portspeed.comm.trace_torch``, which hands the recorder its dump function: this module imports
-  neither). Groups are held weakly (id -> weakref).
+  neither). On torch >= 2.15, which records Gloo's collectives and hooked C++ backends' calls itself,
+  those calls get no entry here (``torch_records``; their write-through line, sequence number and
+  in-flight mark stay): no call is recorded twice, and a dump writes torch's buffers beside this one.
+  Groups are held weakly (id -> weakref).
 - Write-through: each issued entry is also appended, one line (the repr of a tuple of its
   main fields, ``WRITE_THROUGH_FIELDS``), to ``<dir>/portspeed_last_calls_<R>.txt`` (one
   ``os.write``, no flush needed: the kernel keeps it when the process dies), so a rank killed
