@@ -223,6 +223,9 @@ class CheckedWork(torch.distributed.Work):
     def source_rank(self) -> int:
         return self._inner.source_rank()
 
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
 
 def checked(name: str) -> Callable[[Callable], Callable]:
     """A factory ``make(inner) -> checked`` (``style="function"``) that checks ``name``'s inputs and outputs."""
