@@ -65,6 +65,11 @@ from portspeed.megatron_adaptor import open_loss_log
 from gpt_args import parse_args
 from gpt_checkpoint import load_checkpoint, save_checkpoint, sharded_state  # noqa: F401 (generate_gpt)
 
+#: read by `portspeed run --probe` (docs/probe-format.md, ``dp_order``): data-parallel rank r's micro-batch j is
+#: the global batch's micro-batch r x m + j (m per rank; ``microbatches``), so `portspeed compare --probe` can
+#: match a DP run's micro-batches with a one-rank run's
+PORTSPEED_PROBE_DP_ORDER = "contiguous"
+
 
 def _attempt_store(timeout: float) -> dict[str, Any]:
     """After a torchrun restart: the agent's store under a prefix of this attempt (else the env:// default).

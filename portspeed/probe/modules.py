@@ -191,6 +191,7 @@ class ModuleHooks:
         self.stacks: dict[tuple[str, ...], list[str]] = {}  # stack.json: frames -> keys (first calls only)
         self.parents: dict[str, str | None] = {}  # construct.json
         self._handles: list[Any] = []
+        self._leaf_waiting: dict[int, list[tuple[tuple[int, int], Callable]]] = {}  # id(leaf): (mb, hook) oldest first
         self._seen_layer = False
 
     # ------------------------------------------------------------ install / remove
@@ -216,6 +217,7 @@ class ModuleHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._leaf_waiting.clear()
 
     # ------------------------------------------------------------ hooks
     def _root_hook(self, chunk: int) -> Callable:
@@ -330,10 +332,30 @@ class ModuleHooks:
         back = {**base, "ps_phase": "backward"}
         back.pop("ps_recompute", None)
         for i in idx:
-            handle = leaves[i].register_hook(self._grad_hook(info, key, i, len(leaves), back))
-            if leaves[i].grad_fn is None:  # a leaf handed back as an output (a bias parameter): it outlives the
-                self._handles.append(handle)  # iteration, so its hook is taken off at the end
+            hook = self._grad_hook(info, key, i, len(leaves), back)
+            if leaves[i].grad_fn is None:  # a leaf handed back as an output (a bias parameter)
+                self._leaf_hook(leaves[i], hook, (back["ps_micro_batch"], back["ps_chunk"]))
+            else:
+                leaves[i].register_hook(hook)
         return True
+
+    def _leaf_hook(self, leaf: torch.Tensor, hook: Callable, micro_batch: tuple[int, int]) -> None:
+        """A leaf handed back by every call (a bias parameter) is one tensor: a hook per call would fire in every
+        later backward pass too (micro-batch 0's entry overwritten with micro-batch 1's gradient). So the leaf gets
+        one hook for the iteration (taken off at its end), and each gradient that reaches it, once per backward
+        pass, goes to the oldest calls still waiting: those of one micro-batch (Megatron's schedules, and a loop,
+        run backward passes in their forwards' order, per model chunk)."""
+        waiting = self._leaf_waiting.get(id(leaf))
+        if waiting is None:
+            waiting = self._leaf_waiting[id(leaf)] = []
+
+            def first_waiting(g: torch.Tensor) -> None:
+                mb = waiting[0][0] if waiting else None
+                while waiting and waiting[0][0] == mb:
+                    waiting.pop(0)[1](g)
+                return None
+            self._handles.append(leaf.register_hook(first_waiting))
+        waiting.append((micro_batch, hook))
 
     def _grad_hook(self, info: ModuleInfo, key: str, i: int, width: int, base: dict[str, Any]) -> Callable:
         def grad(g: torch.Tensor) -> None:
