@@ -14,8 +14,8 @@ One module fixture launches every run once, two at a time; each comparison below
   bf16 TP2 against bf16 TP1, the test device against the CPU (op level); dropout on with another
   layout refused with its reason (exit 2);
 - msprobe's own dump (tests/data/msprobe_dump: mindstudio-probe 26.2.0's PrecisionDebugger on
-  tests/data/msprobe_model.py) against portspeed's dump of the same step: exit 0; with one module
-  planted, that module is named.
+  tests/data/msprobe_model.py) against portspeed's dump of the same step: exit 0; with the last
+  module's output planted, that module is named (before the loss's ops after it) with its parameters.
 
 A probed run's losses equal the unprobed run's bit for bit: tests/test_probe_record.py asserts it.
 The same checks on stock ``pretrain_gpt.py`` are in docs/accuracy.md (run by hand).
@@ -237,7 +237,12 @@ def test_msprobes_own_dump_agrees_with_portspeeds_dump_of_the_same_step(tmp_path
     assert {"Module.fc1.Linear.forward.0", "Module.norm.LayerNorm.backward.0", "Functional.gelu.0.forward",
             "Module.fc2.Linear.parameters_grad.0"} <= keys, sorted(keys)
     assert len(report.compared) >= 30, len(report.compared)
-    code, out, _ = probe(MSPROBE_DUMP, _portspeed_dump(tmp_path / "planted", "--plant", "act"))
+    # the last module's output planted: named before the loss's ops that follow it outside every module
+    code, out, _ = probe(MSPROBE_DUMP, _portspeed_dump(tmp_path / "planted", "--plant", "fc2"))
     got = first(out)
     assert code == 1 and (got["iteration"], got["phase"], got["module"]) == (
-        "1", "forward", "Module.act.GELU.forward.0"), out[:2000]
+        "1", "forward", "Module.fc2.Linear.forward.0"), out[:2000]
+    lines = out.splitlines()
+    at = lines.index("Module.fc2.Linear.forward.0's parameters:")
+    listed = [ln for ln in lines[at + 1:] if ln.startswith("  ") and "parameters_" in ln]
+    assert listed and all("Module.fc2.Linear.parameters_" in ln for ln in listed), out  # its own, no other's

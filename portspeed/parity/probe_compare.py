@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence, TextIO
@@ -147,6 +148,17 @@ def _name(s: Slot) -> str:
     return f"{s.module} op {s.op}" if s.op and s.module else s.op or s.module or "<root>"
 
 
+_KEY_MODULE = re.compile(r"^Module\.(.+)\.(?:forward|backward|recompute|parameters_grad|parameters_updated)\.\d+$")
+
+
+def _owner(s: Slot) -> str:
+    """The module a slot belongs to: its path; for msprobe's keys (a dump msprobe wrote) ``<path>.<Class>``."""
+    if not s.key:
+        return s.module
+    m = _KEY_MODULE.match(s.key)
+    return m[1] if m else ""
+
+
 def _where(r: TensorResult) -> str:
     s = r.slot
     path = s.module or s.key or ("" if s.op else "<root>")
@@ -216,8 +228,8 @@ def format_report(report: ProbeReport) -> str:
             out += [_line(r) for r in before]
         out.append("next differing:" if after else "next differing: none")
         out += [_line(r) for r in after]
-        if fd.slot.module or fd.slot.key:
-            params = [r for r in res if r.slot.module == fd.slot.module and r.slot.iteration == fd.slot.iteration
+        if _owner(fd.slot):
+            params = [r for r in res if _owner(r.slot) == _owner(fd.slot) and r.slot.iteration == fd.slot.iteration
                       and r.slot.phase.startswith("parameters")]
             out.append(f"{fd.slot.module or fd.slot.key}'s parameters:" + ("" if params else " none recorded"))
             out += [_line(r) for r in params]

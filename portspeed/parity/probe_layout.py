@@ -200,6 +200,7 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
             notes.append(f"the {name}'s gradient scale is not in its meta: its backward entries are compared as "
                          "they are")
         layer_of = {e.module: e.layer for e in rd.entries if not e.op and e.layer is not None}
+        outside = -1 if layer_of else None  # no layers at all (msprobe's own dump): recording order alone
         last_layer: dict[tuple[int, str], int] = {}  # (micro-batch, phase) -> the layer of the last module entry
         for e in sorted(rd.entries, key=lambda e: e.seq):
             if not e.op and e.layer is not None:
@@ -226,8 +227,11 @@ def _side(dump: ProbeDump, kind: str, iterations: set[int], other: ProbeDump, no
                 ordinals[ident] += 1
             call, op_k = (0, k) if e.op else (k, -1)
             # an op outside every module (the loss, the data) sits after the last module that finished before it
-            layer = (layer_of.get(e.module, e.layer) if e.module else last_layer.get((e.micro_batch, e.phase), -1)) \
-                if e.op else e.layer
+            if e.op:
+                layer = layer_of.get(e.module, e.layer) if e.module else last_layer.get((e.micro_batch, e.phase),
+                                                                                         outside)
+            else:
+                layer = e.layer
             for fi, (field, ts) in enumerate(e.tensors):
                 if by_key:  # msprobe's own dump on either side: one rank each, its keys are the identity
                     s = Slot(it, 0, e.phase, "", 0, "", -1, field, -1, e.key)
