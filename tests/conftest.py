@@ -46,3 +46,22 @@ def portspeed_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Non
     monkeypatch.undo()
     config.reload()
     reset_accelerator()
+
+
+@pytest.fixture(autouse=True)
+def _portspeed_vars_put_back() -> Iterator[None]:
+    """Every test leaves the PORTSPEED_* variables as it found them (the test device's build variables aside).
+
+    Why: `portspeed run` run in-process (the refusal tests) sets variables for its workers in its own
+    process, which is the test session's (``PORTSPEED_HANG_TIMEOUT``, ``PORTSPEED_PROBE_*``, the dump folder);
+    monkeypatch restores only what the test set itself, so a later test's child processes inherited them
+    (a hang timeout left behind turned recording on in an unrelated run).
+    """
+    before = dict((k, os.environ[k]) for k in _portspeed_vars())
+    yield
+    now = _portspeed_vars()
+    if set(now) != set(before) or any(os.environ[k] != v for k, v in before.items()):
+        for k in now:
+            del os.environ[k]
+        os.environ.update(before)
+        config.reload()
