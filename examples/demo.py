@@ -135,7 +135,8 @@ def launch(name: str, ranks: int, args: list[str], opts: argparse.Namespace, noi
            iters: int, accelerator: str | None = None) -> None:
     """Run the trainer under `portspeed run` on `ranks` local processes; exit the demo if it fails."""
     cmd = [sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(TRAINER), *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(TRAINER), *args,
+           "--transformer-impl", "local"]  # said on the command line: portspeed serves its portable TE otherwise
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PORTSPEED_ACCELERATOR=accelerator or os.environ.get("PORTSPEED_ACCELERATOR", "cpu"))
     where = "test dev" if accelerator else "CPU/Gloo"
