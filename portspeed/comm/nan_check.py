@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import torch
 
+from portspeed.comm.work import ThenWork
 from portspeed.errors import PortspeedError
 
 __all__ = ["NAN_CHECK_ENV", "TORCH_NAN_ENV", "CHECKED", "CollectiveNaNError", "CheckedWork", "enabled",
@@ -190,41 +191,8 @@ def _is_root(bound: dict, root_arg: str | None) -> bool:
     return dist.get_rank() == root
 
 
-class CheckedWork(torch.distributed.Work):
-    """An asynchronous collective's work whose ``wait()`` also checks the outputs (once)."""
-
-    def __init__(self, inner: Any, check: Callable[[], None]) -> None:
-        super().__init__()
-        self._inner = inner
-        self._check: Callable[[], None] | None = check
-
-    def wait(self, timeout: Any = None) -> bool:
-        done = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        check, self._check = self._check, None
-        if check is not None:
-            check()
-        return done if isinstance(done, bool) else True
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def get_future(self) -> Any:
-        return self._inner.get_future()
-
-    def result(self) -> Any:
-        return self._inner.result()
-
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
+#: an asynchronous collective's work whose ``wait()`` also checks the outputs (once)
+CheckedWork = ThenWork
 
 
 def checked(name: str) -> Callable[[Callable], Callable]:

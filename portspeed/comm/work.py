@@ -10,6 +10,9 @@ step cannot join, so ``run`` issues the rewrite at once, outside the batch.
 Contract
 - ``RewriteWork(works, finish, result)``: a ``dist.Work``; ``wait()`` waits for the inner
   works, runs ``finish`` once, and returns True; ``is_completed()`` is True after that.
+- ``ThenWork(inner, then)``: a backend's own work with one step of portspeed's run at its first
+  ``wait()`` (or ``result()``); everything else asks the backend's work (the probe records, the NaN
+  check checks an output there).
 - ``complete(works, finish, async_op)``: a ``RewriteWork`` when ``async_op``, else waits,
   finishes and returns None (what torch's collectives return synchronously).
 - ``run(group, async_op, body, in_batch=False)``: calls ``body(inner_async)``; returns None on
@@ -36,7 +39,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from portspeed.comm.backends import _pg
 
-__all__ = ["RewriteWork", "complete", "run", "wrap_coalescing_manager"]
+__all__ = ["RewriteWork", "ThenWork", "complete", "run", "wrap_coalescing_manager"]
 
 
 class RewriteWork(dist.Work):
@@ -73,6 +76,42 @@ class RewriteWork(dist.Work):
     def result(self) -> Any:
         self.wait()
         return self._result
+
+
+class ThenWork(dist.Work):
+    """A backend's work handle with one step after it: ``then`` runs once, at the first ``wait()`` or ``result()``."""
+
+    def __init__(self, inner: Any, then: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._then: Callable[[], None] | None = then
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self._inner.wait() if timeout is None else self._inner.wait(timeout)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+        return done if isinstance(done, bool) else True
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> Any:
+        self.wait()
+        return self._inner.result()
+
+    def get_future(self) -> torch.futures.Future:
+        """The backend's own future (the step is not run through it)."""
+        return self._inner.get_future()
 
 
 def nothing() -> None:

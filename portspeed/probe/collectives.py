@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from portspeed.comm.work import ThenWork
+
 __all__ = ["ProbedWork", "RECORDED", "recorded", "set_target"]
 
 #: the functions wrapped (those present in the running torch)
@@ -45,41 +47,8 @@ def set_target(target: Any) -> None:
     _target[0] = target
 
 
-class ProbedWork(dist.Work):
-    """The handle of a recorded ``async_op=True`` call: ``wait()`` waits on the real one, then records."""
-
-    def __init__(self, inner: Any, finish: Callable[[], None]) -> None:
-        super().__init__()
-        self._inner, self._finish, self._done = inner, finish, False
-
-    def wait(self, timeout: Any = None) -> bool:
-        ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
-        if not self._done:
-            self._done = True
-            self._finish()
-        return ok
-
-    def is_completed(self) -> bool:
-        return self._inner.is_completed()
-
-    def is_success(self) -> bool:
-        return self._inner.is_success()
-
-    def exception(self) -> Any:
-        return self._inner.exception()
-
-    def source_rank(self) -> int:
-        return self._inner.source_rank()
-
-    def result(self) -> Any:
-        self.wait()
-        return self._inner.result()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._inner.get_future()
-
-    def synchronize(self) -> None:
-        self._inner.synchronize()
+#: the handle of a recorded ``async_op=True`` call: ``wait()`` waits on the real one, then records
+ProbedWork = ThenWork
 
 
 def recorded(name: str) -> Callable[[Callable], Callable]:
