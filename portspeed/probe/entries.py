@@ -149,7 +149,7 @@ class IterationRecord:
 
     def flag(self, t: torch.Tensor, key: str, field: str, index: int, base: dict[str, Any],
              layout: dict | None = None) -> None:
-        """Flags only: queue ``t``'s float64 sum as item ``index`` of ``field`` in entry ``key`` (whose ``ps_*``
+        """Flags only: queue ``t``'s Max and Min as item ``index`` of ``field`` in entry ``key`` (whose ``ps_*``
         fields are ``base``); the entry is built only if the iteration turns out to hold a non-finite value."""
         self.flags.append((self.slot(t), t.numel(), key, field, index, base, str(t.dtype), list(t.shape), layout))
 
@@ -192,7 +192,7 @@ class IterationRecord:
         """Read every queued statistic (one transfer per device) and fill the entries; write no file."""
         values = self.batch.read()
         self._seen.clear()
-        if self.flags and any(s is not None and not math.isfinite(values[s][0]) for s, *_ in self.flags):
+        if self.flags and any(s is not None and not all(map(math.isfinite, values[s])) for s, *_ in self.flags):
             self._flag_entries(values)  # a non-finite value: its iteration's dump is written, so build it
         for rec in self._pending:
             slot, n = rec.pop("_slot"), rec.pop("_numel")

@@ -2,18 +2,18 @@
 
 Why portspeed's own: msprobe's NaN check imports ``torch_npu``; this one runs on every device.
 It is cheap enough to leave on for a whole run: on every iteration each module output and each
-gradient of one gets a float64 sum queued on the device (non-finite exactly when an element is:
-``portspeed.probe.stats``), and the sums are read once, at the iteration's end. The first
+gradient of one gets its Max and Min queued on the device (one ``aminmax``; both finite exactly when
+every element is: ``portspeed.probe.stats``), and the sums are read once, at the iteration's end. The first
 non-finite record in this rank's recording order (forward outputs as modules finish, then
 gradients as they arrive) is the answer: a NaN made inside a module shows first at that module,
 before its parent and the modules that read it.
 
 Then: the iteration's dump is written (full statistics when the iteration was in
-``--probe-iterations``, else the flags: ``Mean`` and ``ps_finite`` per tensor), one line goes to
+``--probe-iterations``, else the flags: ``Max``, ``Min`` and ``ps_finite`` per tensor), one line goes to
 stderr, and the process exits with ``NAN_EXIT``; under ``portspeed run`` (torchrun) the other ranks
 are ended by the launcher. The line::
 
-    portspeed probe: non-finite at iteration 3, micro-batch 0, rank 0, forward: decoder.layers.1 (TransformerLayer) output 0 is not finite (its float64 mean is nan); dump: DIR/step3/rank0
+    portspeed probe: non-finite at iteration 3, micro-batch 0, rank 0, forward: decoder.layers.1 (TransformerLayer) output 0 is not finite (Max nan, Min nan); dump: DIR/step3/rank0
 
 (``has 1 NaN, 0 Inf`` where the iteration was recorded in full.)
 
@@ -46,7 +46,7 @@ def describe(found: tuple[str, str, Any, dict[str, Any]], entry: dict[str, Any],
     if phase in ("parameters_grad", "parameters_updated"):
         part = f"parameter {field}"
     counts = (f"has {rec['ps_nan']} NaN, {rec['ps_inf']} Inf" if rec.get("ps_nan") is not None
-              else f"is not finite (its float64 mean is {rec.get('Mean')!r})")
+              else f"is not finite (Max {rec.get('Max')!r}, Min {rec.get('Min')!r})")
     mb = entry.get("ps_micro_batch", -1)
     return (f"portspeed probe: non-finite at iteration {entry.get('ps_iteration')}, micro-batch {mb}, rank {rank}, "
             f"{phase}: {what} {part} {index} {counts}; dump: {folder}")

@@ -11,10 +11,10 @@ Two records per tensor:
   copy (widening is exact, so Max and Min are the tensor's own); Sum and Norm are computed in
   float64 over every element, so one non-finite element makes them non-finite; the Mean is Sum /
   count on the host.
-- **flag** (``add_flag``): ``[Sum]`` in float64, one reduction. Finite float16 / bfloat16 /
-  float32 values cannot overflow a float64 sum, so the sum is non-finite exactly when an element
-  is (``--probe-nan`` on every iteration; a float64 tensor near its range could overflow: such a
-  flag is a false alarm the full statistics would not raise).
+- **flag** (``add_flag``): ``[Max, Min]``, one ``aminmax`` pass in the tensor's own dtype (widened
+  after). Max and Min propagate a NaN, and an Inf is the Max or the Min, so both are finite exactly
+  when every element is (``--probe-nan`` on every iteration). One min/max pass costs about a third
+  of a float64 sum on the CPU, which is what the flags used before.
 
 Everything runs on a ``detach()``-ed view (nothing joins autograd's graph), with torch-function
 handling off while an op-level mode is pushed (it must not see the probe's own arithmetic); nothing
@@ -34,7 +34,7 @@ __all__ = ["FULL", "FLAG", "StatsBatch", "describe", "empty_stats", "finish_full
 #: fields of a full record, in order
 FULL = ("Max", "Min", "Sum", "Norm", "ps_nan", "ps_inf")
 #: fields of a flag record
-FLAG = ("Sum",)
+FLAG = ("Max", "Min")
 _F64 = torch.float64
 _NO_GUARD = contextlib.nullcontext()
 
@@ -59,6 +59,12 @@ def _measurable(t: torch.Tensor) -> bool:
 COPY_BELOW = 1 << 16
 
 
+def _count(flags: torch.Tensor) -> torch.Tensor:
+    """How many of ``flags`` are set, as a float64 0-d tensor. ``count_nonzero``, not ``sum``: summing a bool tensor
+    widens it to int64 element by element and took 4-7x as long as the count on the CPU (benchmarks/bench_probe.py)."""
+    return torch.count_nonzero(flags).to(_F64)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """``[Max, Min, Sum, Norm, NaN count, Inf count]`` in float64 (widening is exact: Max and Min are the tensor's
     own)."""
@@ -66,10 +72,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if x.numel() < COPY_BELOW or not x.is_floating_point():
         x = x.to(_F64)
         lo, hi = torch.aminmax(x)
-        return torch.stack([hi, lo, x.sum(), torch.linalg.vector_norm(x), torch.isnan(x).sum(), torch.isinf(x).sum()])
+        return torch.stack([hi, lo, x.sum(), torch.linalg.vector_norm(x), _count(torch.isnan(x)), _count(torch.isinf(x))])
     lo, hi = torch.aminmax(x)
     return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64), torch.linalg.vector_norm(x, dtype=_F64),
-                        torch.isnan(x).sum().to(_F64), torch.isinf(x).sum().to(_F64)])
+                        _count(torch.isnan(x)), _count(torch.isinf(x))])
 
 
 def _guarded() -> Any:
@@ -81,7 +87,7 @@ class StatsBatch:
     """The statistics queued in one iteration, each a slot; ``read()`` returns every slot's values on the host."""
 
     def __init__(self) -> None:
-        #: (device, width) -> queued results of that width: 6 (full), 1 (flags and values, kept 0-d)
+        #: (device, width) -> queued results of that width: 6 (full), 2 (flags), 1 (values, kept 0-d)
         self._parts: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         self._where: list[tuple[tuple[torch.device, int], int]] = []  # slot -> (its list, index in it)
 
@@ -102,11 +108,12 @@ class StatsBatch:
             return self._queue(_full(t), len(FULL))
 
     def add_flag(self, t: torch.Tensor) -> int | None:
-        """Queue the float64 sum of ``t`` (non-finite exactly when an element is); None when it has no elements."""
+        """Queue ``t``'s Max and Min (both finite exactly when every element is); None when it has no elements."""
         if not _measurable(t):
             return None
         with _guarded():
-            return self._queue(torch.sum(t.detach(), dtype=_F64), 1)
+            lo, hi = torch.aminmax(t.detach())
+            return self._queue(torch.stack([hi, lo]).to(_F64), len(FLAG))
 
     def add_value(self, t: torch.Tensor) -> int:
         """Queue a scalar tensor as it is (a loss scale)."""
@@ -133,7 +140,7 @@ def finish_full(values: list[float], numel: int) -> dict[str, Any]:
 
 
 def finish_flag(values: list[float], numel: int) -> dict[str, Any]:
-    """A flag record's host values: only the Mean is known; ``ps_finite`` says whether every element is finite."""
-    total = values[0]
-    return {"Max": None, "Min": None, "Mean": total / numel, "Norm": None, "ps_nan": None, "ps_inf": None,
-            "ps_finite": math.isfinite(total)}
+    """A flag record's host values: Max and Min are known; ``ps_finite`` says whether every element is finite."""
+    hi, lo = values
+    return {"Max": hi, "Min": lo, "Mean": None, "Norm": None, "ps_nan": None, "ps_inf": None,
+            "ps_finite": math.isfinite(hi) and math.isfinite(lo)}
