@@ -55,14 +55,31 @@ def _measurable(t: torch.Tensor) -> bool:
 
 #: above this many elements the statistics read the tensor in place (each reduction widening as it reads) rather
 #: than from a float64 copy: the copy saves torch calls, which is what a small tensor costs, but writes and re-reads
-#: twice the bytes, which is what a large one costs
+#: twice the bytes, which is what a large one costs on an accelerator
 COPY_BELOW = 1 << 16
+#: on the CPU a large tensor's Sum and Norm come from float64 copies of chunks this long: the CPU's widening
+#: reductions (``sum(dtype=float64)``) convert element by element and took 2-3x the time of a copy and a float64
+#: reduction (1M float32 elements, one thread); chunks keep the copy's memory at 8 MiB whatever the tensor
+CPU_CHUNK = 1 << 20
 
 
 def _count(flags: torch.Tensor) -> torch.Tensor:
     """How many of ``flags`` are set, as a float64 0-d tensor. ``count_nonzero``, not ``sum``: summing a bool tensor
-    widens it to int64 element by element and took 4-7x as long as the count on the CPU (benchmarks/bench_probe.py)."""
+    widens it to int64 element by element and took 4-7x as long as the count (1M elements on the CPU, one thread)."""
     return torch.count_nonzero(flags).to(_F64)
+
+
+def _sum_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and L2 norm of a large floating tensor in float64: widening as it reads, or on the CPU chunk by chunk
+    from float64 copies (the norm of the chunks' norms is the norm)."""
+    if x.device.type != "cpu":
+        return torch.sum(x, dtype=_F64), torch.linalg.vector_norm(x, dtype=_F64)
+    parts = []
+    for chunk in x.reshape(-1).split(CPU_CHUNK):
+        y = chunk.to(_F64)
+        parts.append(torch.stack([y.sum(), torch.linalg.vector_norm(y)]))
+    both = torch.stack(parts)
+    return both[:, 0].sum(), torch.linalg.vector_norm(both[:, 1])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -74,8 +91,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         lo, hi = torch.aminmax(x)
         return torch.stack([hi, lo, x.sum(), torch.linalg.vector_norm(x), _count(torch.isnan(x)), _count(torch.isinf(x))])
     lo, hi = torch.aminmax(x)
-    return torch.stack([hi.to(_F64), lo.to(_F64), torch.sum(x, dtype=_F64), torch.linalg.vector_norm(x, dtype=_F64),
-                        _count(torch.isnan(x)), _count(torch.isinf(x))])
+    total, norm = _sum_norm(x)
+    return torch.stack([hi.to(_F64), lo.to(_F64), total, norm, _count(torch.isnan(x)), _count(torch.isinf(x))])
 
 
 def _guarded() -> Any:
