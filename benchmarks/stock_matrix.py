@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.git or not Path(args.git).is_dir():
         p.error("set MEGATRON_LM_GIT (or --git) to a Megatron-LM git directory, e.g. the fetch tool's "
                 "/work/.mirror/NVIDIA+Megatron-LM/repo")
-    legs = {".venv": Leg(Path(args.venv) / "bin" / "python"), ".venv312": Leg(Path(args.venv312) / "bin" / "python")}
+    legs = {".venv": Leg(Path(args.venv).absolute() / "bin" / "python"),  # launches run from other folders
+            ".venv312": Leg(Path(args.venv312).absolute() / "bin" / "python")}
     for name, leg in legs.items():
         if not leg.python.is_file():
             p.error(f"{leg.python} is missing: build {name} first (make venv / make venv312)")
