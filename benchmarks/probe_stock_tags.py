@@ -3,7 +3,8 @@
 Why: ``portspeed run --probe`` must work on Megatron-LM's own unedited script at every tag inside
 ``versions.SUPPORTED``, not only at the one tag docs/accuracy.md walks through. CI runs the probe on
 the example trainer; this runs it on each tag's stock script. By hand, not CI: it needs a Megatron-LM
-git directory (``MEGATRON_LM_GIT``, the ``fetch`` tool's mirror) and about 6 minutes a tag on 2 cores.
+git directory (``MEGATRON_LM_GIT``, the ``fetch`` tool's mirror) and 2.5-4 minutes a tag on 2 cores (18 min
+for the six tags, 2026-11-27, beside a CI run).
 
 For each tag (exported with ``git archive``; 0.15/0.16 on ``.venv``, 0.17 on ``.venv312``, as
 benchmarks/stock_matrix.py), every launch through ``portspeed run`` from a folder outside the tree:
