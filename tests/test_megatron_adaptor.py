@@ -128,6 +128,27 @@ def test_cuda_kernel_defaults_fall_back_with_one_log_line(tmp_path) -> None:
         assert out.count(f"portspeed: {field} has no cpu kernel") == 1, out
 
 
+def test_megatrons_cuda_allocator_build_is_refused_off_cuda(tmp_path) -> None:
+    """megatron-core 0.15 builds a CUDA allocator at import and catches only RuntimeError, ImportError and OSError;
+    a CUDA build of torch without a GPU raised an IndexError there (the stock run died at import). Off CUDA that one
+    build raises a RuntimeError naming why; any other load_inline is torch's own, wrapped."""
+    out = _py('''
+        import portspeed.megatron_adaptor, portspeed
+        import megatron.core
+        import torch.utils.cpp_extension as ext
+        try:
+            ext.load_inline(name="managed_alloc_runtime", cpp_sources=["int f();"], functions=[], with_cuda=True)
+        except RuntimeError as exc:
+            print("refused:", exc)
+        status = {r["name"]: r["status"] for r in portspeed.report()}
+        print("status", status["megatron.core.unified_memory.not_built"])
+        print("inner", ext.load_inline.__wrapped__.__module__)
+    ''', tmp_path)
+    assert "refused: portspeed: Megatron's unified-memory allocator (managed_alloc_runtime) is CUDA code and the " \
+           "active device is 'cpu'" in out, out
+    assert "status applied" in out and "inner torch.utils.cpp_extension" in out, out
+
+
 def test_broadcast_from_last_pipeline_stage_on_cpu(tmp_path) -> None:
     """The inference broadcast accepts adapter-device tensors and names the device when it rejects one."""
     out = _py(['''
