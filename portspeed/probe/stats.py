@@ -82,6 +82,16 @@ def _sum_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return both[:, 0].sum(), torch.linalg.vector_norm(both[:, 1])
 
 
+def _counts(x: torch.Tensor, total: torch.Tensor) -> list[torch.Tensor]:
+    """The NaN and Inf counts of ``x``, whose float64 sum is ``total``. A non-finite element makes the sum
+    non-finite, so a finite sum means both are 0. On the CPU that is asked first (reading a CPU scalar is no device
+    sync) and the two counting passes are skipped; elsewhere both are counted on the device, never read here."""
+    if x.device.type == "cpu" and math.isfinite(total.item()):
+        zero = torch.zeros((), dtype=_F64)
+        return [zero, zero]
+    return [_count(torch.isnan(x)), _count(torch.isinf(x))]
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """``[Max, Min, Sum, Norm, NaN count, Inf count]`` in float64 (widening is exact: Max and Min are the tensor's
     own)."""
@@ -89,10 +99,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if x.numel() < COPY_BELOW or not x.is_floating_point():
         x = x.to(_F64)
         lo, hi = torch.aminmax(x)
-        return torch.stack([hi, lo, x.sum(), torch.linalg.vector_norm(x), _count(torch.isnan(x)), _count(torch.isinf(x))])
+        total = x.sum()
+        return torch.stack([hi, lo, total, torch.linalg.vector_norm(x), *_counts(x, total)])
     lo, hi = torch.aminmax(x)
     total, norm = _sum_norm(x)
-    return torch.stack([hi.to(_F64), lo.to(_F64), total, norm, _count(torch.isnan(x)), _count(torch.isinf(x))])
+    return torch.stack([hi.to(_F64), lo.to(_F64), total, norm, *_counts(x, total)])
 
 
 def _guarded() -> Any:
