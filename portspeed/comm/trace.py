@@ -56,6 +56,7 @@ import pickle
 import socket
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -98,6 +99,9 @@ class Recorder:
         self.folder = folder
         self.timeout_s = timeout_s
         self.last_done_ns = time.time_ns()
+        #: one dump at a time: the exception that ends the rank (main thread) and the launcher's SIGTERM (the
+        #: watcher thread) can ask at once; re-entrant for a signal handler running inside a dump
+        self._dump_lock = threading.RLock()
         self.in_flight: dict | None = None  # the synchronous call under way
         self._wt_fd: int | None = None
         self._dumped_for: str | None = None
@@ -307,6 +311,10 @@ class Recorder:
 
     def dump(self, reason: str) -> str | None:
         """Write this rank's buffer as torch's flight recorder would (a pickle); return the path."""
+        with self._dump_lock:
+            return self._dump(reason)
+
+    def _dump(self, reason: str) -> str | None:
         try:
             rank = _rank()
             entries = [dict(e) for e in list(self.entries)]
@@ -327,7 +335,7 @@ class Recorder:
                                             for g in list(self.groups.values()) if g[11] or g[12]}
             folder = self.folder_now()
             path = os.path.join(folder, f"{DUMP_PREFIX}{rank}")
-            tmp = f"{path}.tmp{os.getpid()}"
+            tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
             with open(tmp, "wb") as f:
                 pickle.dump(data, f)
             # torch's first when the hang watchdog asked (portspeed's file appearing tells it the rank is done); after

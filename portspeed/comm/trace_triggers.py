@@ -53,6 +53,7 @@ def install(rec: Any, on_exit: bool) -> None:
     if on_exit:
         atexit.register(lambda: rec._dumped_for is None and rec.dump("exit"))
     wake = None
+    watcher: list[threading.Thread] = []  # the watcher thread, once started (on_term asks whether it runs)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         try:  # the C handler writes the signal number to this pipe even while the main thread blocks in C++
             r, w = os.pipe()
@@ -61,7 +62,12 @@ def install(rec: Any, on_exit: bool) -> None:
             signal.signal(signal.SIGUSR1, lambda *_: None)
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # the launcher stopping a rank: dump, then die
 
-                def on_term(*_: Any) -> None:  # in the main thread, if it gets there before the watcher thread
+                def on_term(*_: Any) -> None:
+                    # the watcher thread reads SIGTERM from the wakeup pipe, dumps, then ends the process. Ending it
+                    # here too raced that dump: the main thread, back from a collective the dying peer broke, found
+                    # the dump started and killed the rank before the file was written. Only without a watcher:
+                    if watcher and watcher[0].is_alive():
+                        return
                     _term(rec)
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -70,7 +76,8 @@ def install(rec: Any, on_exit: bool) -> None:
             wake = r
         except (ValueError, OSError) as exc:
             log.warning("portspeed trace: SIGUSR1 not handled (%s)", exc)
-    threading.Thread(target=_watch, args=(rec, wake), name="portspeed-trace", daemon=True).start()
+    watcher.append(threading.Thread(target=_watch, args=(rec, wake), name="portspeed-trace", daemon=True))
+    watcher[0].start()
 
 
 def _watch(rec: Any, wake: int | None) -> None:
