@@ -33,13 +33,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stock_matrix import (MODEL, REPO, TAGS, Leg, TagRun, _free_port, _minor,  # noqa: E402
-                          _release, first_error)
+                          _release, checked_legs, export, first_error)
 
 LOCAL = (*MODEL, "--transformer-impl", "local")
 TE = (*MODEL, "--normalization", "RMSNorm")  # Megatron's default TE spec: portspeed's portable TE
@@ -91,13 +90,7 @@ def _printed(text: str) -> list[str]:
 
 def run_tag(git: Path, tag: str, legs: dict[str, Leg], keep: Path | None, log=print) -> dict[str, str]:
     """Export ``tag``, run the five checks; check -> 'ok: ...' or what went wrong."""
-    base = Path(tempfile.mkdtemp(prefix=f"probe-stock-{tag}-", dir=keep))
-    tree, work = base / "Megatron-LM", base / "work"
-    tree.mkdir()
-    work.mkdir()
-    archive = subprocess.Popen(["git", f"--git-dir={git}", "archive", tag], stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
-    archive.wait()
+    base, tree, work = export(git, tag, "probe-stock", keep)
     leg = legs[".venv" if _minor(tree) <= 16 else ".venv312"]
     p = ProbeTag(TagRun(tree, work, leg))
     out: dict[str, str] = {"release": _release(tree)}
@@ -156,16 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--venv312", default=str(REPO / ".venv312"), help="core 0.17 on")
     ap.add_argument("--keep", type=Path, help="keep trees, logs and dumps under this folder")
     args = ap.parse_args(argv)
-    if not args.git or not Path(args.git).is_dir():
-        ap.error("set MEGATRON_LM_GIT (or --git) to a Megatron-LM git directory, e.g. the fetch tool's "
-                 "/work/.mirror/NVIDIA+Megatron-LM/repo")
-    legs = {".venv": Leg(Path(args.venv).absolute() / "bin" / "python"),
-            ".venv312": Leg(Path(args.venv312).absolute() / "bin" / "python")}
-    for name, leg in legs.items():
-        if not leg.python.is_file():
-            ap.error(f"{leg.python} is missing: build {name} first (make venv / make venv312)")
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
+    legs = checked_legs(ap, args)
     bad = 0
     for tag in args.tags:
         start = time.monotonic()

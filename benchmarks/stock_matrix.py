@@ -210,19 +210,29 @@ class TagRun:
         self.script.write_text(self.original)
 
 
-def run_tag(git: Path, tag: str, legs: dict[str, Leg], keep: Path | None, log=print) -> Row:
-    """Export ``tag``, save the shared checkpoint, run TP1 and every cell; the row."""
-    commit = subprocess.run(["git", f"--git-dir={git}", "rev-parse", "--short=10", f"{tag}^{{commit}}"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    row = Row(tag, commit)
-    start = time.monotonic()
-    base = Path(tempfile.mkdtemp(prefix=f"stock-matrix-{tag}-", dir=keep))
+def export(git: Path, tag: str, prefix: str, keep: Path | None) -> tuple[Path, Path, Path]:
+    """``tag`` exported with ``git archive`` into a new folder: (the folder, its Megatron-LM tree, its work folder)."""
+    known = subprocess.run(["git", f"--git-dir={git}", "rev-parse", "--verify", "-q", f"{tag}^{{commit}}"],
+                           capture_output=True)
+    if known.returncode != 0:
+        raise RuntimeError(f"{tag!r} is no tag or branch of {git}: name one it has (git --git-dir={git} tag)")
+    base = Path(tempfile.mkdtemp(prefix=f"{prefix}-{tag}-", dir=keep))
     tree, work = base / "Megatron-LM", base / "work"
     tree.mkdir()
     work.mkdir()
     archive = subprocess.Popen(["git", f"--git-dir={git}", "archive", tag], stdout=subprocess.PIPE)
     subprocess.run(["tar", "-x", "-C", str(tree)], stdin=archive.stdout, check=True)
     archive.wait()
+    return base, tree, work
+
+
+def run_tag(git: Path, tag: str, legs: dict[str, Leg], keep: Path | None, log=print) -> Row:
+    """Export ``tag``, save the shared checkpoint, run TP1 and every cell; the row."""
+    commit = subprocess.run(["git", f"--git-dir={git}", "rev-parse", "--short=10", f"{tag}^{{commit}}"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    row = Row(tag, commit)
+    start = time.monotonic()
+    base, tree, work = export(git, tag, "stock-matrix", keep)
     row.release = _release(tree)
     leg_name = ".venv" if _minor(tree) <= 16 else ".venv312"
     row.leg = leg_name
@@ -305,6 +315,22 @@ def write_docs(doc: Path, text: str) -> None:
         doc.write_text(current.rstrip("\n") + "\n\n## The stock matrix\n\n" + block + "\n")
 
 
+def checked_legs(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Leg]:
+    """The two legs from ``--venv`` / ``--venv312``, after checking ``--git`` and them (``p.error`` otherwise);
+    ``--keep`` is created. Shared with benchmarks/probe_stock_tags.py."""
+    if not args.git or not Path(args.git).is_dir():
+        p.error("set MEGATRON_LM_GIT (or --git) to a Megatron-LM git directory, e.g. the fetch tool's "
+                "/work/.mirror/NVIDIA+Megatron-LM/repo")
+    legs = {".venv": Leg(Path(args.venv).absolute() / "bin" / "python"),  # launches run from other folders
+            ".venv312": Leg(Path(args.venv312).absolute() / "bin" / "python")}
+    for name, leg in legs.items():
+        if not leg.python.is_file():
+            p.error(f"{leg.python} is missing: build {name} first (make venv / make venv312)")
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    return legs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--git", default=os.environ.get("MEGATRON_LM_GIT"),
@@ -317,16 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=Path, help="JSON file of rows: rows of tags not run now are read from it (rerun "
                    "one tag and keep the others), and every row is written back")
     args = p.parse_args(argv)
-    if not args.git or not Path(args.git).is_dir():
-        p.error("set MEGATRON_LM_GIT (or --git) to a Megatron-LM git directory, e.g. the fetch tool's "
-                "/work/.mirror/NVIDIA+Megatron-LM/repo")
-    legs = {".venv": Leg(Path(args.venv).absolute() / "bin" / "python"),  # launches run from other folders
-            ".venv312": Leg(Path(args.venv312).absolute() / "bin" / "python")}
-    for name, leg in legs.items():
-        if not leg.python.is_file():
-            p.error(f"{leg.python} is missing: build {name} first (make venv / make venv312)")
-    if args.keep:
-        args.keep.mkdir(parents=True, exist_ok=True)
+    legs = checked_legs(p, args)
     start, load0 = time.monotonic(), os.getloadavg()
     rows = []
     for tag in args.tags:
