@@ -41,7 +41,8 @@ SOURCE_PACKAGES: dict[str, str] = {"megatron-core": "megatron.core"}
 #: 0.16.1 / 0.19.2; torch 2.13.0 in CI leg 1; 2.15.0 in CI leg 2 from 2026-11-27 (Python 3.12, megatron-core
 #: 0.19.2, DeepSpeed 0.19.8, the Bridge: LEG2_TESTS 411 passed, and the torch_hooks cases of test_trace.py and
 #: test_nan_check.py; Gloo's capability row from `portspeed conformance --declared-gaps`, 2 and 3 ranks; by hand
-#: the test device's suite and stock core_v0.19.0: docs/supported.md, "torch 2.15.0"); 2.14.1 in leg 2 until
+#: the test device's suite, stock core_v0.19.0's files, and the stock matrix at every tag core_v0.15.3 ... main
+#: from the checkout's root and from elsewhere, 2026-11-27/28: docs/supported.md, "torch 2.15.0"); 2.14.1 in leg 2 until
 #: then, now by hand (`make test-leg2-torch2.14`), and on 3.11 (docs/benchmarks.md, "Gloo on torch 2.14.1"); the
 #: torch floor by hand on 2026-11-26 (Python 3.11, PyPI's CUDA wheels run on CPU, megatron-core 0.16.1,
 #: DeepSpeed 0.19.8): 2.6.0, 2.8.0 and 2.11.0 pass tests/test_collective_conformance.py, test_router.py
