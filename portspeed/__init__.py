@@ -15,6 +15,7 @@ import logging as _logging
 import threading as _threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from portspeed import teardown as _teardown
 from portspeed.errors import PortspeedError
 from portspeed.lazy import lazy_exports as _lazy_exports
 
@@ -40,6 +41,9 @@ __all__ = [
 __version__ = "0.1.0"
 
 _logging.getLogger("portspeed").addHandler(_logging.NullHandler())
+# the groups a script leaves behind are destroyed at exit, before the interpreter's finalization can abort
+# a backend thread still finishing a collective (portspeed.teardown; docs/reliability.md)
+_teardown.install()
 
 #: Public names served from submodules on first use, so that importing an adaptor (which
 #: imports this package) loads nothing it does not need yet (docs/benchmarks.md, import).

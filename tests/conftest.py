@@ -65,3 +65,17 @@ def _portspeed_vars_put_back() -> Iterator[None]:
             del os.environ[k]
         os.environ.update(before)
         config.reload()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failing test whose child processes aborted carries every thread's native backtrace (their core files,
+    read by gdb in ``helpers.launch``): "Fatal Python error: Aborted" alone names neither the thread nor the cause."""
+    from helpers import launch
+
+    if call.when == "setup":
+        launch.ABORTS.clear()
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and launch.ABORTS:
+        report.sections.append(("native backtraces of aborted children", "\n".join(launch.ABORTS)[-30000:]))

@@ -7,7 +7,8 @@ the CPU adapter that uses it. Import ``portspeed.testing.standin_ccl`` to regist
 ``"standin"`` backend with torch.distributed.
 
 ``run_ranks`` starts one real process per rank on 127.0.0.1 with a free port and a hard
-timeout, so a hung collective fails a test instead of hanging it.
+timeout, so a hung collective fails a test instead of hanging it; a rank that aborts has the native
+backtrace of every thread appended to its stderr (``portspeed.testing.cores``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
+
+from portspeed.testing import cores
 
 __all__ = ["RankResult", "free_port", "print_rank0", "run_ranks"]
 
@@ -55,6 +59,7 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
     if per_node < 1 or world_size % per_node:
         raise ValueError(f"ranks_per_node {ranks_per_node} must divide the world size {world_size}")
     port = free_port()
+    started = time.time()
     procs = []
     for rank in range(world_size):
         e = dict(os.environ)
@@ -64,7 +69,7 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
         e.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that aborts leaves its Python stacks
         procs.append(subprocess.Popen([sys.executable, *argv], env=e, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                      stderr=subprocess.PIPE, text=True, preexec_fn=cores.enable_cores))
     deadline = time.monotonic() + timeout
     results = []
     for rank, p in enumerate(procs):
@@ -77,6 +82,12 @@ def run_ranks(argv: Sequence[str], world_size: int, timeout: float = 240.0,
                     q.kill()
             out, err = p.communicate()
             results.append(RankResult(rank, None, out, err + f"\n[killed after {timeout:.0f} s]"))
+    if any(cores.aborted(r.returncode, r.stderr) for r in results):  # every thread's native stack, on the failure
+        native = cores.collect(Path.cwd(), started)
+        for r in results:
+            if cores.aborted(r.returncode, r.stderr):
+                r.stderr += "\n" + native
+                break
     return results
 
 

@@ -5,7 +5,9 @@ jobs), ``PYTHONWARNINGS=ignore``, ``PYTHONFAULTHANDLER=1`` and ``PORTSPEED_TIMEO
 (collective/rendezvous timeout) unless the caller sets it, on top of this process's
 environment; ``drop`` leaves inherited variables out (a deliberately clean environment).
 It is killed as a process group when ``timeout`` passes, so a hang fails the test instead
-of hanging CI.
+of hanging CI. When a process of the job dies of SIGABRT, the native backtrace of every thread (its
+core file, read by gdb: ``portspeed.testing.cores``) is kept in the result's ``native`` and in
+``ABORTS``, which tests/conftest.py attaches to the test's report when the test fails.
 
     got = child_json('''
         import json, portspeed
@@ -27,14 +29,19 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["REPO", "Result", "child_json", "free_port", "parse_losses", "run_command", "run_python", "run_snippet",
+from portspeed.testing import cores
+
+__all__ = ["ABORTS", "REPO", "Result", "child_json", "free_port", "parse_losses", "run_command", "run_python", "run_snippet",
            "torchrun"]
 
 REPO = Path(__file__).resolve().parents[2]
+#: the native backtraces of this test's aborted children (tests/conftest.py empties it per test, reports it on failure)
+ABORTS: list[str] = []
 _LOSS = re.compile(r"iteration (\d+) \| lm loss: (\S+) \| grad norm: (\S+)")
 
 
@@ -46,6 +53,10 @@ class Result:
     stdout: str
     stderr: str
     cmd: list[str]
+    native: str = ""  # a process aborted: the native backtrace of every thread (from its core file)
+
+    def _native(self) -> str:
+        return f"\n--- native backtraces ---\n{self.native[-16000:]}" if self.native else ""
 
     def check(self) -> "Result":
         """Raise with the command and the tail of stderr when the job failed."""
@@ -53,6 +64,7 @@ class Result:
             raise AssertionError(
                 f"command failed with exit status {self.returncode}: {' '.join(self.cmd)}\n"
                 f"--- stderr (tail) ---\n{self.stderr[-4000:]}\n--- stdout (tail) ---\n{self.stdout[-2000:]}"
+                f"{self._native()}"
             )
         return self
 
@@ -65,6 +77,7 @@ class Result:
             raise AssertionError(
                 f"no JSON on the last stdout line of: {' '.join(self.cmd)}\n"
                 f"--- stdout (tail) ---\n{self.stdout[-2000:]}\n--- stderr (tail) ---\n{self.stderr[-4000:]}"
+                f"{self._native()}"
             ) from None
 
 
@@ -102,8 +115,9 @@ def run_command(cmd: Sequence[str], timeout: float, env: Mapping[str, str], cwd:
     """Run ``cmd`` with exactly ``env`` in its own session; at ``timeout`` kill the whole group (a launcher and
     the ranks it started) and fail with the tail of both streams."""
     cmd = [str(c) for c in cmd]
+    started = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=cores.enable_cores)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -113,7 +127,11 @@ def run_command(cmd: Sequence[str], timeout: float, env: Mapping[str, str], cwd:
             f"timed out after {timeout}s (killed): {' '.join(cmd)}\n--- stderr (tail) ---\n{err[-3000:]}"
             f"\n--- stdout (tail) ---\n{out[-2000:]}"
         ) from None
-    return Result(proc.returncode, out, err, cmd)
+    native = ""
+    if cores.aborted(proc.returncode, err):  # a process of the job died of SIGABRT: every thread's native stack
+        native = cores.collect(Path(cwd), started) or "no core file was found\n"
+        ABORTS.append(f"{' '.join(cmd)}\n{native}")
+    return Result(proc.returncode, out, err, cmd, native)
 
 
 def run_snippet(code: str, *, timeout: float, env: Mapping[str, str] | None = None, cwd: Path = REPO,
