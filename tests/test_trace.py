@@ -168,11 +168,30 @@ def test_testccl_failure_dumps_torch_buffer_through_its_abort_hook(tmp_path: Pat
         ("testccl:all_reduce", 1, "completed"), ("testccl:all_reduce", 2, "scheduled")], d["entries"]
 
 
+def test_a_rank_ending_on_its_own_error_after_a_peer_died_is_not_stopped_first(tmp_path: Path) -> None:
+    """Rank 0 dies of SIGABRT; rank 1, asleep then, raises in its next all_reduce a second later. The launcher lets
+    it end on its own error before torchrun stops what is left, so its dump and the closing lines say so, whichever
+    ending the agent saw first (torchrun's agent SIGTERMed rank 1 within 0.1 s of rank 0's death: a SIGTERM dump, and
+    CI's standin-op case, where the survivor's error usually won that race, failed once)."""
+    folder = tmp_path / "dumps"
+    code, lines, text = _launch("abort", folder)
+    assert code == 1, text[-4000:]
+    assert re.search(r"portspeed run: failed, no restarts left \(attempt 1: rank 0 \(local rank 0 on .*\) killed by "
+                     r"SIGABRT\)", text), text[-4000:]
+    why = [x for x in lines if x.startswith("portspeed run: why-hung: ")]
+    assert why and f"rank 0 never issued collective #5 of group 0 (default_pg): all_reduce at {_site('last')}" \
+        in why[0], text[-4000:]
+    assert "portspeed run:   dumps: rank 0: write-through (no dump), rank 1: RuntimeError ended the rank" in lines, \
+        lines[-3:]
+    assert lines[-1].startswith(f"portspeed run: flight-recorder dumps in {folder}"), lines[-3:]
+    _nothing_left(folder)
+
+
 def test_control_run_dumped_at_exit_shows_no_divergence(tmp_path: Path) -> None:
     folder = tmp_path / "dumps"
     code, lines, text = _launch("none", folder)
     assert code == 0, text[-4000:]
-    assert not any("why-hung" in x for x in lines), lines  # nothing to say about a healthy run
+    assert not any("why-hung" in x for x in lines), text[-6000:]  # nothing to say about a healthy run
     # ones(4), 5 all_reduces over 2 ranks: 4 x 2**5 (recording changes nothing it computes)
     assert re.search(r"rank 0 sum 128\.0", text) and re.search(r"rank 1 sum 128\.0", text), text[-2000:]
     code, out = why_hung.answer(str(folder))

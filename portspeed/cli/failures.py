@@ -15,6 +15,15 @@ that died. A worker that dies hard (killed, ``os._exit``) leaves its helpers orp
 checkpoint writer, for one, starts a multiprocessing Manager (``filesystem_async``) that then
 runs forever, holding the launcher's output pipes open. So the process group of every failed
 worker is sent SIGKILL as soon as the agent reports it (found in a fault test of this issue).
+
+And it lets the others end on their own first. torchrun's agent SIGTERMs every worker still running
+at the first poll (every 0.1 s) that finds one failed, so how a survivor ended (its own error, dumped
+as "RuntimeError ended the rank", or the launcher's SIGTERM) and which closing lines followed depended
+on whether the agent saw the first death before the survivor's error (a rank that Gloo aborts in C++
+and a peer that raises on the broken connection a moment later: CI's stand-in op mismatch). Once a
+worker has failed, the agent's poll is held back until every worker has ended, or ``GRACE_S`` passed
+(or the hang watchdog ended the job); only then does torchrun stop what is left. The first failure is
+the first one seen ending (the poll's time, then torchrun's order below), whatever poll saw it.
 """
 
 from __future__ import annotations
@@ -24,9 +33,13 @@ import dataclasses
 import os
 import signal
 import socket
+import time
 from typing import Any, Iterator
 
-__all__ = ["Failure", "watch_failures", "describe", "summary_line"]
+__all__ = ["Failure", "watch_failures", "describe", "summary_line", "GRACE_S"]
+
+#: once a worker failed, how long the others may take to end on their own before torchrun stops them (seconds)
+GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +80,36 @@ def _reap(pid: int) -> None:
         pass
 
 
+def _let_the_rest_end(agent: Any, ended: dict[int, float]) -> None:
+    """When a worker has failed and others still run, wait (``GRACE_S`` at most) until every worker has ended,
+    noting in ``ended`` (local rank -> monotonic time) when each was first seen ended. Reads the agent's
+    subprocess handles (``Popen.poll``: what torchrun's own poll reads); anything else: torchrun as it is."""
+    handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
+    if not isinstance(handlers, dict):
+        return
+    procs = {lr: getattr(h, "proc", None) for lr, h in handlers.items()}
+    if not all(hasattr(p, "poll") for p in procs.values()):
+        return
+
+    def look() -> bool:  # whether one has failed
+        failed, now = False, time.monotonic()  # those seen ended in the same look are tied
+        for lr, p in procs.items():
+            code = p.poll()
+            if code is not None and lr not in ended:
+                ended[lr] = now
+                if code != 0:
+                    _reap(int(p.pid))  # its helpers go now, not after the others' grace
+            failed = failed or (code is not None and code != 0)
+        return failed
+
+    if not look():
+        return
+    deadline = time.monotonic() + GRACE_S
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        look()
+
+
 @contextlib.contextmanager
 def watch_failures() -> Iterator[list[Failure]]:
     """Collect every failed worker the local agent sees, attempt by attempt, while the block runs."""
@@ -76,13 +119,16 @@ def watch_failures() -> Iterator[list[Failure]]:
     original = LocalElasticAgent._monitor_workers
 
     def monitor(self: Any, worker_group: Any) -> Any:
+        ended: dict[int, float] = {}  # local rank -> when first seen ended (this poll's workers)
+        _let_the_rest_end(self, ended)
         result = original(self, worker_group)
         if result.failures:
             attempt = worker_group.spec.max_restarts - getattr(self, "_remaining_restarts", worker_group.spec.max_restarts)
-            # the root cause first: the agent stops the others with SIGTERM after the first failure,
-            # and timestamps are whole seconds, so a SIGTERM exit sorts after any other failure
+            # the root cause first: the agent stops the others with SIGTERM after the grace, so a SIGTERM exit
+            # sorts after any other failure; then the one seen ending first (timestamps are whole seconds)
             def order(kv: Any) -> tuple:
-                return (kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])
+                return (kv[1].exitcode == -signal.SIGTERM, ended.get(int(kv[1].local_rank), float("inf")),
+                        kv[1].timestamp, kv[0])
 
             for rank, failure in sorted(result.failures.items(), key=order):
                 seen.append(Failure(attempt, int(rank), int(failure.local_rank), int(failure.exitcode),

@@ -3,8 +3,8 @@
 none: no fault. skip: rank 1 skips its 3rd all_reduce. shape: an all_gather whose input has another shape on
 rank 1. op: rank 0 all_reduce, rank 1 all_gather at the same point. p2p: rank 0 sends twice, rank 1 receives
 once (a pipeline stage that never posts its second recv). straggler: rank 1 sleeps 3 s before its 3rd
-all_reduce. A rank done with its collectives sleeps (busy elsewhere) so its peer waits: `--hang-timeout` ends
-the job. The lines marked `site:` are what the tests expect `why-hung` to name (PLANT_BACKEND: the backend asked for).
+all_reduce. abort: rank 0 dies of SIGABRT after the loop; rank 1's last all_reduce then raises. A rank done with
+its collectives sleeps so its peer waits: `--hang-timeout` ends the job. `site:` lines: what `why-hung` must name.
 """
 import datetime
 import os
@@ -36,12 +36,12 @@ if mode == "op":
         dist.all_reduce(t)  # site: op-reduce
     else:
         dist.all_gather_into_tensor(torch.empty(8, device=dev), t)  # site: op-gather
-if mode == "p2p":
-    if rank == 0:
-        dist.send(t, 1)
-        dist.send(torch.ones(8, device=dev), 1)  # site: send
-    else:
-        dist.recv(t, 0)
+if mode in ("p2p", "abort") and rank == 0:  # abort: a rank killed in C++ (no Python left to dump) after the loop
+    os.abort() if mode == "abort" else dist.send(t, 1)
+    dist.send(torch.ones(8, device=dev), 1)  # site: send
+elif mode in ("p2p", "abort"):
+    dist.recv(t, 0) if mode == "p2p" else time.sleep(1)  # abort: rank 1's last all_reduce then raises, its peer gone
+# the two sites above and below stay on lines 31 and 45: tests/data/nccl_dump_h200 (a real NCCL dump) holds them
 dist.all_reduce(t)  # site: last
 if mode != "none" and mode != "straggler":
     time.sleep(300)
