@@ -42,13 +42,15 @@ LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 #: (Gloo's and testccl's recorders, NanCheckHook): the cases marked `torch_hooks`, the test device's included
 LEG2_HOOK_TESTS := tests/test_trace.py tests/test_nan_check.py
 
-.PHONY: venv venv312 testdev demo test test-leg1 test-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock stock-tests megatron-unit-tests bench clean \
+.PHONY: stress stress-exit venv venv312 testdev demo test test-leg1 test-leg2 setup-leg1 setup-leg2 leg2-deps \
+        run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
-## Debian packages the DeepSpeed tests need: Open MPI (mpirun, and the library mpi4py loads) for
-## DeepSpeed's MPI discovery, libaio-dev for its async I/O op (ZeRO-Infinity). Installed when missing
+## Debian packages the tests need: Open MPI (mpirun, and the library mpi4py loads) for DeepSpeed's MPI
+## discovery, libaio-dev for its async I/O op (ZeRO-Infinity), gdb for the native backtraces of a child
+## that aborts (portspeed.testing.cores). Installed when missing
 ## (as root, with apt-get); anything else fails here naming the command to run.
-SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev libaio-dev
+SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev libaio-dev gdb
 sysdeps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
@@ -75,24 +77,52 @@ venv: $(STAMP)
 ## libaio-dev), pinned memory, and the shared-memory comm kernel stock DeepSpeed's CPU accelerator
 ## loads (the stock baseline). The venv installs DeepSpeed with DS_BUILD_OPS=0; a no-op once built.
 DS_OPS_DIR  = $(abspath $(VENV))/torch_extensions
+DS_OPS ?=
 ds-ops: $(STAMP)
-	TORCH_EXTENSIONS_DIR=$(DS_OPS_DIR) OMP_NUM_THREADS=1 $(PY) -m portspeed.integrations.ds_build
+	TORCH_EXTENSIONS_DIR=$(DS_OPS_DIR) OMP_NUM_THREADS=1 $(PY) -m portspeed.integrations.ds_build $(DS_OPS)
 
 ## The test device (a C++ PrivateUse1 device, not hardware): compiled against the installed torch,
 ## cached in the venv; a no-op (about a second) when the sources did not change.
 testdev: $(STAMP)
 	$(PY) -m portspeed.testing.testdev build
 
-## The main job: a Megatron-Core GPT trained on CPU/Gloo with TP, PP and DP through portspeed.
-demo: $(STAMP) testdev
+## The main job: a Megatron-Core GPT trained on CPU/Gloo with TP, PP and DP through portspeed. Its set-up
+## steps print one line each (apt-get's and pip's output goes to .setup-logs/, shown if a step fails).
+demo:
+	$(call step,Debian packages (apt-get when missing),sysdeps,sysdeps)
+	$(call step,Python 3.11 venv (torch 2.13.0 CPU wheel + megatron-core 0.16.1) + the test device,demo,venv testdev)
 	OMP_NUM_THREADS=1 $(PY) examples/demo.py
 
-## The test suite (what CI runs): both legs.
-test: test-leg1 test-leg2
+## The test suite (what CI runs): both legs. Both legs' set-ups run side by side first (leg 2's downloads
+## beside leg 1's compiles; each step prints one line, its output kept in .setup-logs/), then each leg's
+## tests run on both cores (pytest-xdist: a file's tests on one worker, so its module fixtures run once),
+## printing the 25 slowest. A failed test is never retried.
+PYTEST_CI   ?= -n 2 --dist loadfile --durations=25
+test:
+	$(call step,Debian packages (apt-get when missing),sysdeps,sysdeps)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target setup-leg1 setup-leg2
+	@$(MAKE) --no-print-directory run-leg1
+	@$(MAKE) --no-print-directory run-leg2
+
+## One set-up step: one line on the terminal, its output in .setup-logs/NAME.log (shown when it fails).
+SETUP_LOGS  := .setup-logs
+define step
+	@mkdir -p $(SETUP_LOGS); echo "set-up: $(1) (log: $(SETUP_LOGS)/$(2).log)"; \
+	start=$$(date +%s); if $(MAKE) --no-print-directory $(3) > $(SETUP_LOGS)/$(2).log 2>&1; then \
+	  echo "set-up: $(1): done in $$(( $$(date +%s) - start )) s"; \
+	else echo "set-up: $(1) FAILED; the end of $(SETUP_LOGS)/$(2).log:"; tail -40 $(SETUP_LOGS)/$(2).log; exit 1; fi
+endef
+
+setup-leg1:
+	$(call step,leg 1 (Python 3.11 / torch 2.13.0 CPU wheel): venv + test device + DeepSpeed ops,leg1,venv testdev ds-ops)
+setup-leg2:
+	$(call step,leg 2 (Python 3.12 / torch 2.15.0): venv + test device + DeepSpeed ops + Megatron-Bridge,leg2,leg2-deps)
 
 ## Leg 1: the whole suite on $(PYTHON) with the CPU torch wheel and megatron-core 0.16.1.
 test-leg1: $(STAMP) testdev ds-ops
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "$(LEG1_MARKS)"
+	@$(MAKE) --no-print-directory run-leg1
+run-leg1:
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_CI) -m "$(LEG1_MARKS)"
 
 ## Megatron-Bridge (leg 2 only: it needs Python >= 3.12). --no-deps: its declared requirements do not install
 ## without CUDA (fast-hadamard-transform is an sdist that builds a CUDA extension; megatron-core[dev] pins an
@@ -103,11 +133,18 @@ $(BRIDGE_STAMP): constraints-py312.txt .venv312/.installed
 	touch $@
 
 ## Leg 2: Python 3.12, PyPI torch (CUDA build, no GPU), megatron-core 0.19.2, DeepSpeed 0.19.8, Megatron-Bridge.
-test-leg2: venv312
-	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt ds-ops testdev
+## Its DeepSpeed ops: CPU Adam and the shm comm kernel; ZeRO-Infinity's async I/O (17 min of compiling on a busy
+## 2-core machine) is loaded by no leg-2 test, and leg 1 builds and tests it.
+LEG2_DS_OPS := cpu_adam deepspeed_shm_comm
+leg2-deps: venv312
+	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt \
+	    DS_OPS="$(LEG2_DS_OPS)" ds-ops testdev
 	$(MAKE) --no-print-directory $(BRIDGE_STAMP)
-	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m "$(LEG2_MARKS)" $(LEG2_TESTS)
-	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q -m torch_hooks $(LEG2_HOOK_TESTS)
+test-leg2: leg2-deps
+	@$(MAKE) --no-print-directory run-leg2
+run-leg2:
+	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m "$(LEG2_MARKS)" $(LEG2_TESTS)
+	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m torch_hooks $(LEG2_HOOK_TESTS)
 
 ## torch 2.14.1 on leg 2's stack (Python 3.12, megatron-core 0.19.2, DeepSpeed 0.19.8, the Bridge), by hand since
 ## CI's leg 2 moved to torch 2.15.0: its own venv, leg 2's constraints with only the torch pin moved, leg 2's tests.
@@ -192,6 +229,20 @@ test-deepspeed-more: $(STAMP) testdev ds-ops
 ## dead rank, two nodes on one machine): ~6 minutes on 2 cores, so by hand, not CI (docs/reliability.md).
 test-faults: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -s -m faults tests/test_faults.py
+
+## A flake is a bug (docs/reliability.md): rerun one test N times in leg 1's venv (pytest-repeat), never retried in CI.
+##   make stress T=tests/test_trace.py::test_planted_fault_is_named_in_the_closing_lines[standin-op] N=50
+N ?= 20
+stress: $(STAMP) testdev
+	@test -n "$(T)" || { echo "name the test: make stress T='tests/test_x.py::test_y[case]' N=50"; exit 2; }
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:randomly --count $(N) -m "" "$(T)"
+
+## The exit-time abort (docs/reliability.md, "The abort at exit"), by hand: RUNS short jobs (one process, and two
+## ranks) that leave without destroy_process_group, counting aborts; CONTROL=1 runs them without portspeed's
+## exit teardown (torch alone). VENV=.venv312 for leg 2's torch.
+RUNS ?= 1000
+stress-exit: $(STAMP) testdev
+	OMP_NUM_THREADS=1 $(PY) tests/helpers/exit_stress.py --runs $(RUNS) $(if $(CONTROL),--no-portspeed)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do OMP_NUM_THREADS=1 $(PY) $$b || exit 1; done
