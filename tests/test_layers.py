@@ -18,7 +18,8 @@ SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches
 
 #: layer -> module prefixes (longest prefix wins)
 LAYERS: dict[str, tuple[str, ...]] = {
-    "foundation": ("portspeed.errors", "portspeed.config", "portspeed.versions", "portspeed.lazy", "portspeed.teardown"),
+    "foundation": ("portspeed.errors", "portspeed.config", "portspeed.settings", "portspeed.versions",
+                   "portspeed.lazy", "portspeed.teardown"),
     "patching": ("portspeed.patching",),
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
     "comm": ("portspeed.comm", "portspeed.router"),

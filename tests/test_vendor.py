@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import portspeed.vendor as vendor
+from portspeed import config
 from portspeed.accelerator import preflight, registry
 from portspeed.conformance import gaps
 from portspeed.vendor import AdapterContractError, BackendGaps, PrivateUse1Accelerator
@@ -132,18 +133,50 @@ def test_an_abstract_base_is_exempt_and_its_subclasses_are_not() -> None:
 def test_file_and_module_forms_resolve_to_one_class_from_any_directory(tmp_path: Path, portspeed_env: Any,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A relative file resolves against the working directory once, to the class every later lookup gets;
-    the launcher's check makes the variable absolute, so a rank in another directory loads the same file."""
+    the check makes it absolute in this process's settings (the environment is left as it is: `portspeed run`
+    hands the absolute path to its workers), so a rank in another directory loads the same file."""
     monkeypatch.chdir(REPO)
     rel = "examples/vendor_adapter.py:AcmeAccelerator"
     cls = registry.adapter_class(rel)
     assert cls.name == "acme" and registry.adapter_class(f"{EXAMPLE}:AcmeAccelerator") is cls
     portspeed_env(PORTSPEED_ACCELERATOR=rel)
-    preflight.check_settings()
-    assert os.environ["PORTSPEED_ACCELERATOR"] == f"{EXAMPLE}:AcmeAccelerator"
+    assert preflight.check_settings().accelerator == f"{EXAMPLE}:AcmeAccelerator"
+    assert config.settings().accelerator == f"{EXAMPLE}:AcmeAccelerator"
+    assert os.environ["PORTSPEED_ACCELERATOR"] == rel  # not written back for this process to read again
     monkeypatch.chdir(tmp_path)  # a rank started elsewhere
-    assert registry.adapter_class(os.environ["PORTSPEED_ACCELERATOR"]) is cls
+    assert registry.adapter_class(config.settings().accelerator) is cls
     assert preflight.check_settings({"PORTSPEED_ACCELERATOR": "portspeed.adapters.cpu:CpuAccelerator"}).accelerator \
         == "portspeed.adapters.cpu:CpuAccelerator"
+
+
+def test_a_named_adapter_class_is_loaded_once_per_process(tmp_path: Path, portspeed_env: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preflight's check loads the class; every later lookup (the selection's) gets it without loading again."""
+    (tmp_path / "acme_once.py").write_text(EXAMPLE.read_text())
+    loads: list[str] = []
+    real = registry._load
+    monkeypatch.setattr(registry, "_load", lambda spec: loads.append(spec) or real(spec))
+    monkeypatch.chdir(tmp_path)
+    portspeed_env(PORTSPEED_ACCELERATOR="acme_once.py:AcmeAccelerator")
+    cls = registry.adapter_class(preflight.check_settings().accelerator)
+    assert registry.adapter_class("acme_once.py:AcmeAccelerator") is cls
+    assert registry.adapter_class(config.settings().accelerator) is cls and len(loads) == 1, loads
+
+
+def test_portspeed_run_hands_the_absolute_adapter_file_to_its_workers(tmp_path: Path, portspeed_env: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher is where the environment is written: its workers get the file's absolute path."""
+    import torch.distributed.run as tdr
+
+    from portspeed.cli import run as launch
+
+    seen: list[str] = []
+    monkeypatch.setattr(tdr, "run", lambda args: seen.append(os.environ["PORTSPEED_ACCELERATOR"]))
+    monkeypatch.chdir(REPO)
+    (tmp_path / "train.py").write_text("")
+    portspeed_env(PORTSPEED_ACCELERATOR="examples/vendor_adapter.py:AcmeAccelerator")
+    assert launch.main(["--adaptor", "none", str(tmp_path / "train.py")]) == 0
+    assert seen == [f"{EXAMPLE}:AcmeAccelerator"]
 
 
 # ------------------------------------------------------------------ what conformance says to write

@@ -10,10 +10,11 @@ message names the variable (or option), the bad value and what is accepted.
   close to a real one is refused, the accelerator is a built-in or entry-point adapter name
   (read from package metadata only) or a ``module:Class`` / ``path/to/file.py:Class`` whose class
   loads and has the contract's required members (the adapter module, not its vendor runtime; a
-  relative file path is made absolute in this process's environment, so every process it spawns
-  finds the same file wherever it runs: ``check_adapter_spec``), the backend is one portspeed or torch knows or one an
-  entry-point adapter declares, and the framework module prefixes are module names. Run by
-  ``import portspeed.megatron_adaptor`` / ``deepspeed_adaptor`` and by ``portspeed run``.
+  relative file path is made absolute in the settings returned, which become this process's: the class is
+  loaded once, and ``portspeed run`` hands the absolute path to its workers: ``check_adapter_spec``), the
+  backend is one portspeed or torch knows or one an entry-point adapter declares, and the framework module
+  prefixes are module names. Run by ``import portspeed.megatron_adaptor`` / ``deepspeed_adaptor`` and by
+  ``portspeed run``.
 - ``check_device(ranks_on_node)`` (needs the device runtime): the adapter's vendor package
   imports, and a node's ranks fit its device count (host adapters share the host: any count).
   Run by the adaptors' activation (for this rank's ``LOCAL_RANK``) and by ``portspeed run``
@@ -24,25 +25,20 @@ message names the variable (or option), the bad value and what is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from typing import Mapping
 
 from portspeed import config
-from portspeed.accelerator import registry, scope
+from portspeed.accelerator import registry
 from portspeed.errors import ConfigError, UnknownAcceleratorError, UnknownBackendError
 
 __all__ = ["SETTINGS", "check_adapter_spec", "check_settings", "check_device", "check_layout"]
 
-#: every PORTSPEED_* variable a user sets (internal ones portspeed sets itself are in _INTERNAL_PREFIXES)
-SETTINGS: tuple[str, ...] = (
-    "PORTSPEED_ACCELERATOR", "PORTSPEED_BACKEND", "PORTSPEED_STRICT", "PORTSPEED_DISABLE",
-    "PORTSPEED_LOG_LEVEL", "PORTSPEED_TIMEOUT", "PORTSPEED_LOSS_LOG", scope.FRAMEWORK_ENV,
-    "PORTSPEED_GLOO_LAZY_INIT", "PORTSPEED_TE_KERNELS",
-    "PORTSPEED_TRACE", "PORTSPEED_TRACE_DIR", "PORTSPEED_TRACE_ON_EXIT", "PORTSPEED_HANG_TIMEOUT",
-    "PORTSPEED_NAN_CHECK",
-    *config.PROBE_ENV.values(),
-)
+#: every PORTSPEED_* variable a user sets, in the order of their declarations (``portspeed.settings.TABLE``);
+#: internal ones portspeed sets itself are in _INTERNAL_PREFIXES
+SETTINGS: tuple[str, ...] = tuple(s.env for s in config.TABLE)
 #: variables set by portspeed for its own processes (`portspeed run` workers, the test device's build)
 _INTERNAL_PREFIXES = ("PORTSPEED_RUN_", "PORTSPEED_TESTDEV_")
 
@@ -121,24 +117,21 @@ def _check_backend(backend: str, accelerator: str | None) -> None:
 def check_settings(env: Mapping[str, str] | None = None) -> config.Settings:
     """Validate every PORTSPEED_* setting by name and value (cheap: nothing device-side loads); return them.
 
-    ``env`` defaults to ``os.environ`` (then the cached settings are re-read).
+    ``env`` defaults to ``os.environ`` (then the cached settings are re-read, and a relative adapter file, made
+    absolute, becomes this process's setting without being written back to the environment).
     """
     real = env is None
     env = os.environ if env is None else env
     settings = config.reload() if real else config.Settings.from_env(env)
     _check_variable_names(env)
     if settings.accelerator is not None:
-        resolved = check_adapter_spec(env["PORTSPEED_ACCELERATOR"])
-        if real and resolved != settings.accelerator:  # a relative file: the same file in every spawned process
-            os.environ["PORTSPEED_ACCELERATOR"] = resolved
-            settings = config.reload()
+        resolved = check_adapter_spec(settings.accelerator)
+        if resolved != settings.accelerator:  # a relative file, made absolute: the same file wherever it is read
+            settings = dataclasses.replace(settings, accelerator=resolved)
+            if real:
+                config.use(settings)
     if settings.backend is not None:
         _check_backend(settings.backend, settings.accelerator)
-    raw = env.get(scope.FRAMEWORK_ENV, "").strip()
-    bad = [n.strip() for n in raw.split(",") if n.strip() and not scope.valid_prefix(n.strip())]
-    if bad:
-        raise ConfigError(f"{scope.FRAMEWORK_ENV} has invalid module names {bad} (value {raw!r}); accepted: comma-separated "
-                          "importable module prefixes other than torch, e.g. 'megatron,my_project.models'")
     return settings
 
 

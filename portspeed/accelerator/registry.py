@@ -159,13 +159,37 @@ def _load(spec: str) -> object:
     return obj
 
 
+#: spec (a file made absolute) -> (its module's name, that module, the object): loaded once per process, as long
+#: as the module is the one in sys.modules (a test that replaces the module gets its new class)
+_loaded: dict[str, tuple[str, ModuleType, object]] = {}
+
+
+def _load_once(spec: str) -> object:
+    """``_load(spec)``, once per process for each spec (``file.py:Class`` keyed by its absolute path)."""
+    target, _, qualname = spec.rpartition(":")
+    modname = target
+    if target.endswith(".py"):
+        modname = adapter_module_name(target)
+        key = f"{os.path.abspath(target)}:{qualname}"
+    else:
+        key = spec
+    hit = _loaded.get(key)
+    if hit is not None and sys.modules.get(hit[0]) is hit[1]:
+        return hit[2]
+    obj = _load(spec)
+    module = sys.modules.get(modname)
+    if module is not None:
+        _loaded[key] = (modname, module, obj)
+    return obj
+
+
 def adapter_class(name: str) -> type[Accelerator]:
     """The adapter class registered under ``name`` (built-in or entry point), or named by ``module:Class`` /
     ``path/to/file.py:Class``; checked against the contract (``contract.check_adapter``)."""
     from portspeed.accelerator.contract import Accelerator, AdapterContractError, check_adapter
 
     if is_spec(name):
-        cls = _load(name)
+        cls = _load_once(name)
     elif name in BUILTIN_ADAPTERS:
         modname, _, clsname = BUILTIN_ADAPTERS[name].partition(":")
         cls = getattr(importlib.import_module(modname), clsname)

@@ -13,16 +13,15 @@ name equals a prefix or starts with a prefix and a dot; torch itself never is.
 
 from __future__ import annotations
 
-import os
 import re
 
-from portspeed.config import parse_names
+from portspeed import config
 
 __all__ = ["FRAMEWORK_ENV", "DEFAULT_PREFIXES", "env_prefixes", "framework_prefixes", "is_framework_module",
            "is_under", "valid_prefix"]
 
-#: Environment variable naming extra framework module prefixes (comma-separated).
-FRAMEWORK_ENV = "PORTSPEED_FRAMEWORK_MODULES"
+#: Environment variable naming extra framework module prefixes (comma-separated; declared in portspeed.settings).
+FRAMEWORK_ENV = config.BY_FIELD["framework_modules"].env
 DEFAULT_PREFIXES: tuple[str, ...] = ("megatron",)
 _PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -37,12 +36,9 @@ def valid_prefix(prefix: object) -> bool:
 
 
 def env_prefixes() -> tuple[str, ...]:
-    """The prefixes named in PORTSPEED_FRAMEWORK_MODULES; ConfigError names the bad ones."""
-    raw = os.environ.get(FRAMEWORK_ENV, "").strip()
-    if not raw:
-        return ()
-    return parse_names(FRAMEWORK_ENV, raw, _PREFIX_RE, "module names",
-                       "give comma-separated importable module prefixes such as 'megatron,my_project.models'")
+    """The prefixes named in PORTSPEED_FRAMEWORK_MODULES, read afresh (tests and launchers change it); ConfigError
+    names the bad ones."""
+    return config.read("framework_modules")
 
 
 def framework_prefixes() -> tuple[str, ...]:

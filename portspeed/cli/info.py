@@ -348,16 +348,19 @@ def main(argv: list[str] | None = None) -> int:
                         "path/to/file.py:Class")
     args = parser.parse_args(argv)
     if args.adapter is not None:
-        import os
+        import dataclasses
 
         from portspeed.accelerator import preflight
 
         try:  # the check and resolution PORTSPEED_ACCELERATOR gets (a relative file made absolute)
-            os.environ["PORTSPEED_ACCELERATOR"] = preflight.check_adapter_spec(args.adapter, "--adapter ")
+            adapter = preflight.check_adapter_spec(args.adapter, "--adapter ")
         except PortspeedError as exc:
             print(f"portspeed info: error: {exc}", file=sys.stderr)
             return 2
-        config.reload()
+        try:  # this process's settings, the environment left as it is
+            config.use(dataclasses.replace(config.reload(), accelerator=adapter))
+        except PortspeedError:
+            pass  # another setting is refused: collect() reports it
     report = collect()
     writer: Callable[[str], Any] = sys.stdout.write
     writer(json.dumps(report, indent=2, default=str) + "\n" if args.json else render(report))

@@ -2,8 +2,9 @@
 
 Why in the launcher: a bad switch must be refused in one line, exit 2, before any worker starts
 and before anything is created or overwritten, and a folder that already holds a dump is only
-knowable for all ranks here (each rank can only check its own). The variables are parsed by
-``portspeed.config`` in every worker, the same reading a torchrun launch gets.
+knowable for all ranks here (each rank can only check its own). Each switch is read by the parser its
+variable is declared with (``portspeed.settings.TABLE``), the one every worker applies to the variable, the same
+reading a torchrun launch gets.
 
 Switches: ``--probe DIR``, ``--probe-iterations A:B`` (default 1:1), ``--probe-level module|op``,
 ``--probe-ranks R,...``, ``--probe-modules GLOB``, ``--probe-tensors GLOB``, ``--probe-nan``,
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from portspeed import config
 from portspeed.errors import ConfigError
 
 __all__ = ["add_arguments", "environment", "export"]
 
-_COMPANIONS = ("probe_iterations", "probe_level", "probe_ranks", "probe_modules", "probe_tensors", "probe_nan",
-               "probe_inputs")
+#: the switches that need --probe, as argparse names them (declared with their settings: portspeed.settings.TABLE)
+_COMPANIONS = tuple(s.switch[2:].replace("-", "_") for s in config.TABLE if (s.switch or "").startswith("--probe-"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,34 +52,30 @@ def environment(args: argparse.Namespace, world: int | None = None) -> dict[str,
         if given:
             raise ConfigError(f"--{given[0].replace('_', '-')} needs --probe DIR (the folder the probe writes)")
         return {}
+    parsers = {s.switch: s for s in config.TABLE if s.switch}
+
+    def parse(switch: str, value: str) -> Any:
+        """The switch read by its setting's own parser (the one every worker uses on the variable)."""
+        return parsers[switch].parse(switch, value)
+
     env = config.PROBE_ENV
-    out = {env["dir"]: config.check_probe_dir("--probe", args.probe)}
+    out = {env["dir"]: parse("--probe", args.probe)}
     if args.probe_iterations is not None:
-        a, b = config.parse_probe_iterations("--probe-iterations", args.probe_iterations)
+        a, b = parse("--probe-iterations", args.probe_iterations)
         out[env["iterations"]] = f"{a}:{b}"
     if args.probe_level is not None:
-        level = args.probe_level.strip().lower()
-        if level not in config.PROBE_LEVELS:
-            raise ConfigError(f"--probe-level {args.probe_level!r} is not a probe level; use module (every module's "
-                              "outputs, gradients, parameters) or op (also every torch function and collective)")
-        out[env["level"]] = level
+        out[env["level"]] = str(parse("--probe-level", args.probe_level))
     if args.probe_ranks is not None:
-        parts = [p.strip() for p in args.probe_ranks.split(",") if p.strip()]
-        if not parts or not all(p.isascii() and p.isdigit() for p in parts):
-            raise ConfigError(f"--probe-ranks {args.probe_ranks!r} is not a list of ranks; give global ranks "
-                              "separated by commas, e.g. 0,3")
-        outside = [int(p) for p in parts if world is not None and int(p) >= world]
+        ranks: tuple[int, ...] = parse("--probe-ranks", args.probe_ranks)
+        outside = [r for r in ranks if world is not None and r >= world]
         if outside:
             raise ConfigError(f"--probe-ranks {args.probe_ranks!r}: rank {outside[0]} is not in this job's ranks "
                               f"0..{world - 1}")
-        out[env["ranks"]] = ",".join(parts)
+        out[env["ranks"]] = ",".join(map(str, ranks))
     for name in ("modules", "tensors"):
         value = getattr(args, f"probe_{name}")
         if value is not None:
-            if not value.strip():
-                raise ConfigError(f"--probe-{name} is empty; give a glob such as "
-                                  f"{'decoder.layers.1*' if name == 'modules' else 'Module.decoder.layers.1.*'}")
-            out[env[name]] = value.strip()
+            out[env[name]] = str(parse(f"--probe-{name}", value))
     if args.probe_nan:
         out[env["nan"]] = "1"
     if args.probe_inputs:

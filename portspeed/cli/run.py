@@ -179,13 +179,17 @@ def _script_layout(script_args: list[str]) -> dict[str, int]:
     return found
 
 
-def _preflight(args: argparse.Namespace, adaptor_module: str | None) -> None:
-    """Before any worker starts: settings by name and value, the device and the layout (see accelerator.preflight)."""
+def _preflight(args: argparse.Namespace, adaptor_module: str | None) -> dict[str, str]:
+    """Before any worker starts: settings by name and value, the device and the layout (see accelerator.preflight);
+    returns the settings resolved here that the workers get through their environment."""
+    from portspeed import config
     from portspeed.accelerator import preflight
 
-    preflight.check_settings()
+    settings = preflight.check_settings()
+    # a relative adapter file made absolute: every worker loads the same file, wherever it runs
+    handed = {config.BY_FIELD["accelerator"].env: settings.accelerator} if settings.accelerator else {}
     if adaptor_module is None:
-        return
+        return handed
     nproc = str(args.nproc_per_node).strip()
     lo, _, hi = str(args.nnodes).strip().partition(":")
     nnodes = lo if (not hi or hi == lo) else ""  # an elastic range (MIN:MAX) fixes no world size
@@ -195,6 +199,7 @@ def _preflight(args: argparse.Namespace, adaptor_module: str | None) -> None:
             layout = _script_layout(list(args.training_script_args))
             preflight.check_layout(int(nnodes) * int(nproc), layout.get("tp", 1), layout.get("pp", 1),
                                    layout.get("cp", 1))
+    return handed
 
 
 def _world_size(args: argparse.Namespace) -> int | None:
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         _validate(args)
         if adaptor_module is not None:
             _check_adaptor_importable(adaptor_module)
-        _preflight(args, adaptor_module)
+        handed = _preflight(args, adaptor_module)
         probe = probe_options.environment(args, _world_size(args))
     except PortspeedError as exc:  # LaunchError, and bad PORTSPEED_* settings, devices or layouts
         print(f"portspeed run: error: {exc}", file=sys.stderr)
@@ -233,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     except PortspeedError as exc:
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
+    os.environ.update(handed)  # the workers inherit this process's environment
     worker_command(args, adaptor_module)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
