@@ -100,7 +100,7 @@ demo:
 PYTEST_CI   ?= -n 2 --dist loadfile --durations=25
 test:
 	$(call step,Debian packages (apt-get when missing),sysdeps,sysdeps)
-	@$(MAKE) --no-print-directory -j2 --output-sync=target setup-leg1 setup-leg2
+	@$(MAKE) --no-print-directory -j2 --output-sync=line setup-leg1 setup-leg2
 	@$(MAKE) --no-print-directory run-leg1
 	@$(MAKE) --no-print-directory run-leg2
 
@@ -235,7 +235,9 @@ test-faults: $(STAMP)
 N ?= 20
 stress: $(STAMP) testdev
 	@test -n "$(T)" || { echo "name the test: make stress T='tests/test_x.py::test_y[case]' N=50"; exit 2; }
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:randomly --count $(N) -m "" "$(T)"
+	@# pytest-repeat renames test[case] to test[case-1-N]: a parametrized id is selected as the function plus -k case
+	@t='$(T)'; case "$$t" in *'['*) k="$${t#*[}"; k="$${k%]}"; t="$${t%%[*}";; *) k="";; esac; \
+	set -x; OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:randomly --count $(N) -m "" "$$t" $${k:+-k "$$k"}
 
 ## The exit-time abort (docs/reliability.md, "The abort at exit"), by hand: RUNS short jobs (one process, and two
 ## ranks) that leave without destroy_process_group, counting aborts; CONTROL=1 runs them without portspeed's
