@@ -110,25 +110,18 @@ def run_case(case: str, rank: int, port: int, use_portspeed: bool) -> None:
 
     accel, world, job = CASES[case]
     os.environ["PORTSPEED_ACCELERATOR"] = accel
-    if use_portspeed:
-        import portspeed
+    import portspeed
 
+    if use_portspeed:
         import portspeed.megatron_adaptor
 
         portspeed.megatron_adaptor.activate()  # what a Megatron job gets: the torch.distributed patches
-        backend = portspeed.get_accelerator().communication_backend
     else:
-        backend = "gloo" if accel == "cpu" else _bare_backend(accel)
-        _without_teardown()
+        _without_teardown()  # the control; selecting the adapter below loads the device and its CCL only
+    backend = portspeed.get_accelerator().communication_backend
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     job()
-
-
-def _bare_backend(accel: str) -> str:
-    import portspeed
-
-    return portspeed.get_accelerator().communication_backend  # selection loads the device and its CCL only
 
 
 def _without_teardown() -> None:
