@@ -29,13 +29,12 @@ import datetime
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from portspeed.testing import cores
+from portspeed.testing import cores, free_port
 
 __all__ = ["CASES", "main", "run_case"]
 
@@ -44,12 +43,6 @@ _REPO = Path(__file__).resolve().parents[2]
 #: rank in six of ``gloo-two`` aborted on the 2-core machine)
 DROPPED_NUMEL = 8 * 1024 * 1024
 _ACME = _REPO / "examples" / "vendor_adapter.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _collectives(device: str) -> None:
@@ -199,7 +192,7 @@ def main(argv: list[str] | None = None) -> int | None:
         world = CASES[case][1]
         folder = args.out / f"run_{n}"
         folder.mkdir(exist_ok=True)
-        port = _free_port()
+        port = free_port()
         pids: dict[int, int] = {}
         for rank in range(world):
             pid = os.fork()
