@@ -8,6 +8,8 @@ does that for every test that asks for it (or applies it with ``usefixtures``).
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -79,3 +81,32 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     report = outcome.get_result()
     if report.failed and launch.ABORTS:
         report.sections.append(("native backtraces of aborted children", "\n".join(launch.ABORTS)[-30000:]))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cold-python", action="store_true",
+                     help="start every child Python cold (no warm Python forking them: portspeed.testing.warm)")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The warm Python: torch imported once, every child Python of the tests forked from it (tests/helpers/launch.py).
+
+    Why: most of a multi-rank test's time on the 2-core CI machine was its processes importing torch."""
+    if not session.config.getoption("--cold-python"):
+        from helpers import launch
+
+        launch.start_warm(Path(tempfile.mkdtemp(prefix="portspeed-warm-")))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from helpers import launch
+
+    launch.stop_warm()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the test's fixtures (a module fixture's runs included): warm unless marked ``cold_python``."""
+    from helpers import launch
+
+    launch.USE_WARM = item.get_closest_marker("cold_python") is None

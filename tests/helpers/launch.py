@@ -5,9 +5,12 @@ jobs), ``PYTHONWARNINGS=ignore``, ``PYTHONFAULTHANDLER=1`` and ``PORTSPEED_TIMEO
 (collective/rendezvous timeout) unless the caller sets it, on top of this process's
 environment; ``drop`` leaves inherited variables out (a deliberately clean environment).
 It is killed as a process group when ``timeout`` passes, so a hang fails the test instead
-of hanging CI. When a process of the job dies of SIGABRT, the native backtrace of every thread (its
-core file, read by gdb: ``portspeed.testing.cores``) is kept in the result's ``native`` and in
-``ABORTS``, which tests/conftest.py attaches to the test's report when the test fails.
+of hanging CI. A child Python (``sys.executable``) is forked from the session's warm Python
+(``portspeed.testing.warm``: torch imported once; tests/conftest.py starts it, ``--cold-python`` or the
+``cold_python`` marker turns it off), and so are the ranks torchrun starts for it. When a process
+of the job dies of SIGABRT, the native backtrace of every thread (its core file, read by gdb:
+``portspeed.testing.cores``) is kept in the result's ``native`` and in ``ABORTS``, which tests/conftest.py
+attaches to the test's report when the test fails.
 
     got = child_json('''
         import json, portspeed
@@ -34,14 +37,17 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from portspeed.testing import cores
+from portspeed.testing import cores, warm
 
-__all__ = ["ABORTS", "REPO", "Result", "child_json", "free_port", "parse_losses", "run_command", "run_python", "run_snippet",
-           "torchrun"]
+__all__ = ["ABORTS", "REPO", "Result", "child_json", "free_port", "parse_losses", "run_command", "run_python",
+           "run_snippet", "start_warm", "stop_warm", "torchrun"]
 
 REPO = Path(__file__).resolve().parents[2]
 #: the native backtraces of this test's aborted children (tests/conftest.py empties it per test, reports it on failure)
 ABORTS: list[str] = []
+#: the session's warm Python (None: every child starts cold), and whether the running test may use it
+WARM: warm.WarmPython | None = None
+USE_WARM = True
 _LOSS = re.compile(r"iteration (\d+) \| lm loss: (\S+) \| grad norm: (\S+)")
 
 
@@ -101,6 +107,19 @@ def _env(extra: Mapping[str, str] | None, drop: Iterable[str] = ()) -> dict[str,
     return env
 
 
+def start_warm(folder: Path) -> None:
+    """Start the session's warm Python (tests/conftest.py, once per session)."""
+    global WARM
+    WARM = warm.start(sys.executable, _env(None), folder)
+
+
+def stop_warm() -> None:
+    global WARM
+    if WARM is not None:
+        WARM.close()
+        WARM = None
+
+
 def run_python(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
                cwd: Path = REPO, *, drop: Iterable[str] = ()) -> Result:
     """Run ``python args...`` in its own process group; kill the group at ``timeout``.
@@ -116,7 +135,10 @@ def run_command(cmd: Sequence[str], timeout: float, env: Mapping[str, str], cwd:
     the ranks it started) and fail with the tail of both streams."""
     cmd = [str(c) for c in cmd]
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    run, env = cmd, dict(env)
+    if WARM is not None and USE_WARM and cmd[0] == sys.executable:
+        run, env = [WARM.python, *cmd[1:]], {**env, **WARM.env}
+    proc = subprocess.Popen(run, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=cores.enable_cores)
     try:
         out, err = proc.communicate(timeout=timeout)
