@@ -74,6 +74,26 @@ def check_adapter(adapter: Any) -> None:
             "attributes (portspeed.vendor: the contract; a base class that adapters subclass passes abstract=True)")
 
 
+def _check_declarations(cls: type) -> None:
+    """Refuse, naming the attribute and what it takes, a declaration of the wrong kind (when the class is defined)."""
+    from portspeed.settings import TE_KERNEL_OPS
+
+    where = f"adapter class {cls.__module__}.{cls.__qualname__}"
+    total = cls.__dict__.get("total_memory_bytes")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total <= 0):
+        raise AdapterContractError(f"{where}: total_memory_bytes = {total!r}; give the device's memory in bytes as a "
+                                   "positive int (or leave it None: ask the device)")
+    wrong = cls.__dict__.get("wrong_torch_ops")
+    if wrong is not None:
+        names = (wrong,) if isinstance(wrong, str) else tuple(wrong)
+        unknown = [n for n in names if n not in TE_KERNEL_OPS]
+        if unknown:
+            raise AdapterContractError(f"{where}: wrong_torch_ops names {', '.join(map(repr, unknown))}, not an "
+                                       f"operation of the portable Transformer Engine; name some of "
+                                       f"{', '.join(TE_KERNEL_OPS)}")
+        cls.wrong_torch_ops = names
+
+
 class Accelerator:
     """One device family: its torch device, its collective backend, and device-runtime calls.
 
@@ -101,11 +121,24 @@ class Accelerator:
     #: What this adapter's own collective backend lacks (None: nothing beyond the built-in
     #: defaults of ``portspeed.accelerator.capabilities``); the router rewrites what is listed.
     backend_gaps: ClassVar[BackendGaps | None] = None
+    #: Device memory per device, in bytes, answered where the device cannot say (its runtime raises, as a new
+    #: vendor's allocator often does for ``torch.accelerator.get_memory_info``). None: ask the device; if it cannot
+    #: answer, ``total_memory`` degrades to the host's physical memory, with one warning naming this attribute.
+    total_memory_bytes: ClassVar[int | None] = None
+    #: Random ops on the device draw from the host's default generator (a device whose random ops run through the
+    #: CPU fallback): portspeed's RNG calls (seed, state, the generators the framework forks) then serve the host's
+    #: generator, the one the draws really use. Declared (``portspeed conformance`` says when it holds).
+    host_generator: ClassVar[bool] = False
+    #: Operations of the portable Transformer Engine (``portspeed.vendor.KERNEL_OPS``) whose torch form is wrong on
+    #: this device (``portspeed conformance`` finds them): the kernel ladder skips torch for them, so the adapter's
+    #: own kernel or portspeed's reference serves.
+    wrong_torch_ops: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
         """Refuse, when the class is defined, a concrete adapter that lacks a required member."""
         super().__init_subclass__(**kwargs)
         cls._abstract = abstract  # per class: a subclass of an abstract base is concrete unless it says so
+        _check_declarations(cls)
         if not abstract:
             check_adapter(cls)
 
@@ -248,6 +281,16 @@ class Accelerator:
         self.module.empty_cache()
 
     def total_memory(self, index: int | None = None) -> int:
+        """Device memory in bytes: what the device answers (``device_total_memory``); where it cannot, the declared
+        ``total_memory_bytes``, else the host's physical memory with one warning naming what to declare."""
+        i = self._index(index)
+        try:
+            return self.device_total_memory(i)
+        except (NotImplementedError, RuntimeError, AttributeError) as exc:  # the device cannot say
+            return _unknown_total_memory(self, i, exc)
+
+    def device_total_memory(self, index: int | None = None) -> int:
+        """What the device itself answers for its total memory, in bytes; raises where it cannot say."""
         return int(self.module.get_device_properties(self._index(index)).total_memory)
 
     # -- dtypes -------------------------------------------------------------------
@@ -355,3 +398,32 @@ class Accelerator:
 
 
 _BASE_DEFAULT_BACKEND = Accelerator.default_backend.__func__
+
+
+_warned_memory: set[str] = set()
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory in bytes (what ``total_memory`` answers for a device that cannot say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX host
+        return 16 << 30
+
+
+def _unknown_total_memory(acc: Accelerator, index: int, exc: BaseException) -> int:
+    """The declared ``total_memory_bytes``, else the host's memory, saying once per adapter what was answered."""
+    import logging
+
+    if acc.total_memory_bytes is not None:
+        return int(acc.total_memory_bytes)
+    answer = host_memory_bytes()
+    if acc.name not in _warned_memory:
+        _warned_memory.add(acc.name)
+        logging.getLogger("portspeed").warning(
+            "portspeed: the %r device cannot say its total memory (%s: %s); answering %d bytes, the host's physical "
+            "memory; declare total_memory_bytes = <bytes per device> in %s", acc.name, type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "", answer, type(acc).__name__)
+    return answer
