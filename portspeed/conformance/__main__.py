@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except PortspeedError as exc:
         print(f"portspeed conformance: {exc}", file=sys.stderr)
         return 2
-    report = Report(args.adapter)
+    report = Report(args.adapter, adapter_class=type(acc).__name__)
     if "device" in suites:
         from portspeed.conformance.device import run_device_checks
 
