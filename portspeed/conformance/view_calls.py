@@ -141,7 +141,7 @@ CALLS: dict[str, tuple[Callable[[Any, torch.device], Any], str]] = {
 def run_view_checks(acc: Any, report: Report) -> None:
     """Make every call of ``CALLS`` through the view on ``acc``'s device; one line per call that raises, one line
     for the rest; then whether the device answers its total memory itself."""
-    from portspeed.accelerator.contract import host_memory_bytes
+    from portspeed.accelerator.contract import Accelerator, host_memory_bytes
     from portspeed.accelerator.cuda_view import CudaView
 
     view, dev, cls = CudaView(), acc.device(0), type(acc).__name__
@@ -159,6 +159,11 @@ def run_view_checks(acc: Any, report: Report) -> None:
             passed.append(name)
     report.add(SUITE, f"{len(passed)} of the {len(CALLS)} torch.cuda calls the view serves to Megatron and "
                "DeepSpeed answer on the device", len(passed) == len(CALLS), "the others are named above")
+    if type(acc).total_memory is not Accelerator.total_memory and \
+            type(acc).device_total_memory is Accelerator.device_total_memory:
+        acc.total_memory(0)  # the adapter answers its memory itself (the CPU adapter: the host's)
+        report.add(SUITE, "the adapter answers its total memory itself (its own total_memory)", True)
+        return
     try:
         acc.device_total_memory(0)
     except Exception as exc:  # the device cannot say: the default answers a stated value; the adapter should say
