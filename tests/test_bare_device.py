@@ -209,3 +209,33 @@ def test_a_declaration_of_the_wrong_kind_is_refused_naming_it(line: str, words: 
     with pytest.raises(AdapterContractError, match=words.replace("(", r"\(")):
         exec(f"class Acme(PrivateUse1Accelerator):\n    name = 'acme'\n    device_type = 'acme'\n"
              f"    backend = 'accl'\n    {line}\n", {"PrivateUse1Accelerator": PrivateUse1Accelerator})
+
+
+def test_a_view_call_the_device_cannot_serve_is_named_with_the_method_to_override() -> None:
+    """An adapter whose current_stream raises: the view checks name torch.cuda.current_stream, what it raised and
+    the adapter method to override; the summary line fails."""
+    from portspeed.accelerator import reset_accelerator, set_accelerator
+    from portspeed.adapters.cpu import CpuAccelerator
+    from portspeed.conformance.report import Report
+    from portspeed.conformance.view_calls import CALLS, run_view_checks
+
+    class NoStreams(CpuAccelerator):
+        name = "no-streams"
+
+        def current_stream(self, index: int | None = None) -> None:
+            raise RuntimeError("streams are not implemented")
+
+    acc = NoStreams()
+    set_accelerator(acc)
+    try:
+        report = Report("no-streams")
+        run_view_checks(acc, report)
+    finally:
+        reset_accelerator()
+    failed = {c.name: c.detail for c in report.checks if not c.ok}
+    assert failed["torch.cuda.current_stream answers on the device"] == (
+        "raised RuntimeError: streams are not implemented -- override NoStreams.current_stream in the adapter")
+    summary = f"{len(CALLS) - 3} of the {len(CALLS)} torch.cuda calls the view serves to Megatron and DeepSpeed " \
+              "answer on the device"
+    assert set(failed) == {"torch.cuda.current_stream answers on the device", "torch.cuda.stream answers on the "
+                           "device", "torch.cuda.set_stream answers on the device", summary}, failed

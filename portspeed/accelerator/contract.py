@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from portspeed.accelerator.declarations import check_declarations, host_memory_bytes, unknown_total_memory
 from portspeed.errors import MissingVendorPackageError, PortspeedError
 
 if TYPE_CHECKING:
     from portspeed.accelerator.backend_gaps import BackendGaps
     from portspeed.accelerator.capabilities import Capabilities
 
-__all__ = ["Accelerator", "AdapterContractError", "REQUIRED_MEMBERS", "check_adapter", "missing_members"]
+__all__ = ["Accelerator", "AdapterContractError", "REQUIRED_MEMBERS", "check_adapter", "host_memory_bytes",
+           "missing_members"]
 
 #: The members a concrete adapter must set, and what each one is; every other member has a working default.
 REQUIRED_MEMBERS: dict[str, str] = {
@@ -72,26 +74,6 @@ def check_adapter(adapter: Any) -> None:
             f"adapter class {cls.__module__}.{cls.__qualname__} lacks the required member"
             f"{'s' if len(missing) > 1 else ''} {what}; set {'them' if len(missing) > 1 else 'it'} as class "
             "attributes (portspeed.vendor: the contract; a base class that adapters subclass passes abstract=True)")
-
-
-def _check_declarations(cls: type) -> None:
-    """Refuse, naming the attribute and what it takes, a declaration of the wrong kind (when the class is defined)."""
-    from portspeed.settings import TE_KERNEL_OPS
-
-    where = f"adapter class {cls.__module__}.{cls.__qualname__}"
-    total = cls.__dict__.get("total_memory_bytes")
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total <= 0):
-        raise AdapterContractError(f"{where}: total_memory_bytes = {total!r}; give the device's memory in bytes as a "
-                                   "positive int (or leave it None: ask the device)")
-    wrong = cls.__dict__.get("wrong_torch_ops")
-    if wrong is not None:
-        names = (wrong,) if isinstance(wrong, str) else tuple(wrong)
-        unknown = [n for n in names if n not in TE_KERNEL_OPS]
-        if unknown:
-            raise AdapterContractError(f"{where}: wrong_torch_ops names {', '.join(map(repr, unknown))}, not an "
-                                       f"operation of the portable Transformer Engine; name some of "
-                                       f"{', '.join(TE_KERNEL_OPS)}")
-        cls.wrong_torch_ops = names
 
 
 class Accelerator:
@@ -138,7 +120,7 @@ class Accelerator:
         """Refuse, when the class is defined, a concrete adapter that lacks a required member."""
         super().__init_subclass__(**kwargs)
         cls._abstract = abstract  # per class: a subclass of an abstract base is concrete unless it says so
-        _check_declarations(cls)
+        check_declarations(cls, AdapterContractError)
         if not abstract:
             check_adapter(cls)
 
@@ -287,7 +269,7 @@ class Accelerator:
         try:
             return self.device_total_memory(i)
         except (NotImplementedError, RuntimeError, AttributeError) as exc:  # the device cannot say
-            return _unknown_total_memory(self, i, exc)
+            return unknown_total_memory(self, i, exc)
 
     def device_total_memory(self, index: int | None = None) -> int:
         """What the device itself answers for its total memory, in bytes; raises where it cannot say."""
@@ -399,31 +381,3 @@ class Accelerator:
 
 _BASE_DEFAULT_BACKEND = Accelerator.default_backend.__func__
 
-
-_warned_memory: set[str] = set()
-
-
-def host_memory_bytes() -> int:
-    """The host's physical memory in bytes (what ``total_memory`` answers for a device that cannot say)."""
-    import os
-
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX host
-        return 16 << 30
-
-
-def _unknown_total_memory(acc: Accelerator, index: int, exc: BaseException) -> int:
-    """The declared ``total_memory_bytes``, else the host's memory, saying once per adapter what was answered."""
-    import logging
-
-    if acc.total_memory_bytes is not None:
-        return int(acc.total_memory_bytes)
-    answer = host_memory_bytes()
-    if acc.name not in _warned_memory:
-        _warned_memory.add(acc.name)
-        logging.getLogger("portspeed").warning(
-            "portspeed: the %r device cannot say its total memory (%s: %s); answering %d bytes, the host's physical "
-            "memory; declare total_memory_bytes = <bytes per device> in %s", acc.name, type(exc).__name__,
-            str(exc).splitlines()[0] if str(exc) else "", answer, type(acc).__name__)
-    return answer
