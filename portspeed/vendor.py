@@ -14,6 +14,9 @@ check it: ``portspeed conformance --adapter path/to/acme.py:Acme``. A worked fil
    required (``REQUIRED_MEMBERS``; a concrete class without one fails when defined or selected,
    ``AdapterContractError``; a base class that adapters subclass passes ``abstract=True``):
        name, device_type, backend (a PrivateUse1Accelerator subclass may leave backend empty)
+   declared where the device falls short (``portspeed conformance`` prints the lines): total_memory_bytes (the
+              device cannot say its memory), host_generator (its random ops draw from the host's generator),
+              wrong_torch_ops (portable-TE ops whose torch form is wrong on it)
    identity:  vendor_modules, vendor_package, runs_cuda_natively, device_is_host, verified_on_hardware,
               auto_detect (PrivateUse1Accelerator), detect(), load_vendor(), vendor_installed(), describe(),
               communication_backend (``backend`` unless PORTSPEED_BACKEND overrides it)

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from portspeed.accelerator.declarations import check_declarations, host_memory_bytes, unknown_total_memory
 from portspeed.errors import MissingVendorPackageError, PortspeedError
 
 if TYPE_CHECKING:
     from portspeed.accelerator.backend_gaps import BackendGaps
     from portspeed.accelerator.capabilities import Capabilities
 
-__all__ = ["Accelerator", "AdapterContractError", "REQUIRED_MEMBERS", "check_adapter", "missing_members"]
+__all__ = ["Accelerator", "AdapterContractError", "REQUIRED_MEMBERS", "check_adapter", "host_memory_bytes",
+           "missing_members"]
 
 #: The members a concrete adapter must set, and what each one is; every other member has a working default.
 REQUIRED_MEMBERS: dict[str, str] = {
@@ -101,11 +103,24 @@ class Accelerator:
     #: What this adapter's own collective backend lacks (None: nothing beyond the built-in
     #: defaults of ``portspeed.accelerator.capabilities``); the router rewrites what is listed.
     backend_gaps: ClassVar[BackendGaps | None] = None
+    #: Device memory per device, in bytes, answered where the device cannot say (its runtime raises, as a new
+    #: vendor's allocator often does for ``torch.accelerator.get_memory_info``). None: ask the device; if it cannot
+    #: answer, ``total_memory`` degrades to the host's physical memory, with one warning naming this attribute.
+    total_memory_bytes: ClassVar[int | None] = None
+    #: Random ops on the device draw from the host's default generator (a device whose random ops run through the
+    #: CPU fallback): portspeed's RNG calls (seed, state, the generators the framework forks) then serve the host's
+    #: generator, the one the draws really use. Declared (``portspeed conformance`` says when it holds).
+    host_generator: ClassVar[bool] = False
+    #: Operations of the portable Transformer Engine (``portspeed.vendor.KERNEL_OPS``) whose torch form is wrong on
+    #: this device (``portspeed conformance`` finds them): the kernel ladder skips torch for them, so the adapter's
+    #: own kernel or portspeed's reference serves.
+    wrong_torch_ops: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
         """Refuse, when the class is defined, a concrete adapter that lacks a required member."""
         super().__init_subclass__(**kwargs)
         cls._abstract = abstract  # per class: a subclass of an abstract base is concrete unless it says so
+        check_declarations(cls, AdapterContractError)
         if not abstract:
             check_adapter(cls)
 
@@ -248,6 +263,16 @@ class Accelerator:
         self.module.empty_cache()
 
     def total_memory(self, index: int | None = None) -> int:
+        """Device memory in bytes: what the device answers (``device_total_memory``); where it cannot, the declared
+        ``total_memory_bytes``, else the host's physical memory with one warning naming what to declare."""
+        i = self._index(index)
+        try:
+            return self.device_total_memory(i)
+        except (NotImplementedError, RuntimeError, AttributeError) as exc:  # the device cannot say
+            return unknown_total_memory(self, i, exc)
+
+    def device_total_memory(self, index: int | None = None) -> int:
+        """What the device itself answers for its total memory, in bytes; raises where it cannot say."""
         return int(self.module.get_device_properties(self._index(index)).total_memory)
 
     # -- dtypes -------------------------------------------------------------------
@@ -355,3 +380,4 @@ class Accelerator:
 
 
 _BASE_DEFAULT_BACKEND = Accelerator.default_backend.__func__
+

@@ -199,22 +199,36 @@ class PrivateUse1Accelerator(Accelerator, abstract=True):
 
     # -- random number generation -------------------------------------------------------
     def default_generator(self, index: int | None = None) -> Any:
-        """The device module's generator for ``index``, or a ModuleGenerator view when it has none."""
+        """The device module's generator for ``index``, or a ModuleGenerator view when it has none (the host's
+        default generator where the adapter declares ``host_generator``: the one its random ops draw from)."""
+        if self.host_generator:
+            return torch.default_generator
         gens = getattr(self.module, "default_generators", None)
         if gens is not None:
             return gens[self._index(index)]
         return ModuleGenerator(self, self._index(index))
 
     def get_rng_state(self, index: int | None = None) -> torch.Tensor:
+        if self.host_generator:
+            return torch.default_generator.get_state()
         return self._need("get_rng_state")(self._index(index))
 
     def set_rng_state(self, state: torch.Tensor, index: int | None = None) -> None:
+        if self.host_generator:
+            torch.default_generator.set_state(state)
+            return
         self._need("set_rng_state")(state, self._index(index))
 
     def manual_seed(self, seed: int) -> None:
+        if self.host_generator:
+            torch.default_generator.manual_seed(int(seed))
+            return
         self._need("manual_seed")(int(seed))
 
     def manual_seed_all(self, seed: int) -> None:
+        if self.host_generator:
+            torch.default_generator.manual_seed(int(seed))
+            return
         fn = getattr(self.module, "manual_seed_all", None)
         if fn is not None:
             fn(int(seed))
@@ -222,6 +236,8 @@ class PrivateUse1Accelerator(Accelerator, abstract=True):
             super().manual_seed_all(seed)
 
     def initial_seed(self) -> int:
+        if self.host_generator:
+            return int(torch.default_generator.initial_seed())
         return int(self._need("initial_seed")())
 
     # -- streams and events ---------------------------------------------------------------
@@ -293,8 +309,9 @@ class PrivateUse1Accelerator(Accelerator, abstract=True):
         else:
             self._need("empty_cache")()
 
-    def total_memory(self, index: int | None = None) -> int:
-        """Device memory in bytes: torch.accelerator.get_memory_info, else the module's properties or mem_get_info."""
+    def device_total_memory(self, index: int | None = None) -> int:
+        """What the device answers: torch.accelerator.get_memory_info, else the module's properties or mem_get_info
+        (raises where it cannot say; ``total_memory`` then degrades to a stated value)."""
         i = self._index(index)
         if self._accelerator_memory() and hasattr(torch.accelerator, "get_memory_info"):
             return int(torch.accelerator.get_memory_info(i)[1])

@@ -63,6 +63,9 @@ def _make(name: str, reason: str) -> Accelerator:
     cls.load_vendor()
     acc = cls(backend=_backend_override())
     _check_kernels(acc)
+    from portspeed.accelerator.param_identity import ensure
+
+    ensure(acc)  # a device without PrivateUse1 shallow-copy kernel keeps Parameters through module.to (detected)
     global _reason
     _reason = reason
     return acc

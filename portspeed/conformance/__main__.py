@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except PortspeedError as exc:
         print(f"portspeed conformance: {exc}", file=sys.stderr)
         return 2
-    report = Report(args.adapter)
+    report = Report(args.adapter, adapter_class=type(acc).__name__)
     if "device" in suites:
         from portspeed.conformance.device import run_device_checks
 
@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if "kernels" in suites:
         from portspeed.conformance.ds_ops import run_ds_op_checks
         from portspeed.conformance.kernels import run_kernel_checks
+        from portspeed.conformance.torch_ops import run_torch_op_checks
 
+        run_torch_op_checks(acc, report)  # torch's own ops on the device, whether or not kernels are declared
         run_kernel_checks(acc, report)
         run_ds_op_checks(acc, report)
     if "collectives" in suites:

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from portspeed.accelerator import param_identity
 from portspeed.conformance.report import Report
+from portspeed.conformance.view_calls import run_view_checks
 
 __all__ = ["run_device_checks"]
 
@@ -60,6 +62,20 @@ def run_device_checks(acc: Any, report: Report) -> None:
             assert d[1].item() == 1.0, "changing .cpu() changed the device tensor"
 
         def separate_generator() -> None:
+            host = torch.get_rng_state()
+            torch.nn.functional.dropout(torch.ones(256, device=dev), 0.5)
+            if acc.host_generator:  # declared: check that it holds
+                assert not torch.equal(host, torch.get_rng_state()), (
+                    "the adapter declares host_generator = True, but dropout on the device did not draw from the "
+                    "host generator: take the declaration out")
+                return
+            if not torch.equal(host, torch.get_rng_state()):
+                report.declare("host_generator", "True")
+                raise AssertionError(
+                    "random ops on the device draw from the host generator (the CPU fallback's): seeding or saving "
+                    "the device generator does not reach them, so the framework's forked RNG states (Megatron's "
+                    "tensor-parallel tracker) fork nothing; declare host_generator = True (portspeed's RNG calls "
+                    "then serve the host generator), or give the device's random ops its own generator")
             gen = acc.default_generator(0)
             assert gen is not torch.default_generator and gen.device.type == acc.device_type, (
                 f"the device generator is {gen.device} ({gen!r})")
@@ -74,7 +90,9 @@ def run_device_checks(acc: Any, report: Report) -> None:
 
         report.run(SUITE, "host and device tensors do not mix in one op", no_mixing)
         report.run(SUITE, "moves between host and device are copies", real_copies)
-        report.run(SUITE, "the device generator is separate from the host generator", separate_generator)
+        report.run(SUITE, "random ops on the device draw from the host generator, as declared (host_generator)"
+                   if acc.host_generator else "the device generator is separate from the host generator",
+                   separate_generator)
 
     def views_alias() -> None:
         d = torch.zeros(4, 3, device=dev)
@@ -87,7 +105,9 @@ def run_device_checks(acc: Any, report: Report) -> None:
         state = acc.get_rng_state()
         a = torch.rand(16, device=dev).cpu()
         acc.set_rng_state(state)
-        assert torch.equal(torch.rand(16, device=dev).cpu(), a), "restoring the RNG state did not replay the draws"
+        assert torch.equal(torch.rand(16, device=dev).cpu(), a), "restoring the RNG state did not replay the draws" + (
+            " (random ops on the device draw from the host generator: host_generator = True, printed below, makes "
+            "the adapter's RNG state the host's)" if "host_generator" in report.paste else "")
 
     def streams_and_events() -> None:
         s = acc.Stream()
@@ -107,7 +127,25 @@ def run_device_checks(acc: Any, report: Report) -> None:
         grew = acc.memory_allocated() - before
         assert keep.numel() and (grew >= 1 << 20 or host_device), f"1 MiB allocated, statistics grew by {grew}"
 
+    def parameters_kept() -> None:
+        m = torch.nn.Linear(4, 3)
+        w = m.weight
+        w.tensor_model_parallel, w.partition_dim = True, 0  # what Megatron hangs on its parameters
+        m.to(dev)
+        assert m.weight.device.type == acc.device_type, f"module.to({dev}) left the weight on {m.weight.device}"
+        assert m.weight is w, (f"module.to({dev}) made a new Parameter object: the attributes frameworks set on "
+                               "parameters (Megatron's tensor_model_parallel, partition_dim) are lost")
+        assert getattr(m.weight, "tensor_model_parallel", False) and m.weight.partition_dim == 0
+        p = torch.nn.Parameter(torch.ones(3))
+        p.data = p.data.to(dev)  # Megatron: weight.data = weight.data.cuda()
+        assert p.device.type == acc.device_type
+
+    fixed = param_identity.state().get("registered")
+    report.run(SUITE, "module.to(device) keeps Parameter objects and their attributes; param.data = t works"
+               + (" (the device has no PrivateUse1 _has_compatible_shallow_copy_type kernel: portspeed registered "
+                  "one at activation)" if fixed else ""), parameters_kept)
     report.run(SUITE, "views share the device memory of their base", views_alias)
     report.run(SUITE, "get/set_rng_state replays the device's draws", rng_state_replays)
     report.run(SUITE, "streams, events and synchronize work", streams_and_events)
     report.run(SUITE, "memory statistics count device allocations", memory_statistics)
+    run_view_checks(acc, report)

@@ -26,6 +26,14 @@ class Report:
 
     adapter: str
     checks: list[Check] = dataclasses.field(default_factory=list)
+    #: declarations a failed check asks for: attribute -> its value as Python source (printed last, to paste)
+    paste: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the adapter class the lines go into (named in the heading)
+    adapter_class: str = ""
+
+    def declare(self, name: str, value: str) -> None:
+        """Ask for ``name = value`` in the adapter class (a failed check found what it must say)."""
+        self.paste[name] = value
 
     def add(self, suite: str, name: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(suite, name, bool(ok), "" if ok else detail))
@@ -58,8 +66,12 @@ class Report:
             mark = "skip" if c.skipped else ("ok" if c.ok else "FAIL")
             lines.append(f"  [{mark:>4}] {c.suite}: {c.name}" + (f" -- {c.detail}" if c.detail else ""))
         lines.append("conformance: " + self.summary_line())
+        if self.paste:
+            where = f"the adapter class {self.adapter_class}" if self.adapter_class else "the adapter class"
+            lines.append(f"paste these lines into {where} (the body, indented as shown), then run conformance again:")
+            lines.extend(f"    {name} = {value}" for name, value in self.paste.items())
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps({"adapter": self.adapter, "checks": [dataclasses.asdict(c) for c in self.checks]},
-                          indent=1)
+        return json.dumps({"adapter": self.adapter, "checks": [dataclasses.asdict(c) for c in self.checks],
+                           "paste": self.paste}, indent=1)

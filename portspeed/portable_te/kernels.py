@@ -152,8 +152,8 @@ def _decide(op: str, acc: Any) -> tuple[Choice, Callable]:
     """The ladder on the active adapter, and the function it chose (a vendor kernel checked against its contract)."""
     declared = acc.kernels().get(op)
     c = _ladder(op, config.settings().te_kernel_start(op), acc.name, declared,
-                lambda: _torch_unavailable(op, acc.device_type,
-                                           lambda: any(acc.has_grouped_mm(dt) for dt in _GROUPED_DTYPES)))
+                lambda: _declared_wrong(op, acc) or _torch_unavailable(
+                    op, acc.device_type, lambda: any(acc.has_grouped_mm(dt) for dt in _GROUPED_DTYPES)))
     if c.impl == "vendor":
         return c, resolve_kernel(acc.name, op, declared)
     return c, import_path(getattr(TABLE[op], c.impl))
@@ -227,8 +227,16 @@ def plan(adapter_cls: type, settings: config.Settings | None = None) -> list[Cho
     name = getattr(adapter_cls, "name", "") or adapter_cls.__name__
     grouped = lambda: getattr(adapter_cls, "has_grouped_mm") is not _base_has_grouped_mm()  # noqa: E731
     return [_ladder(op, settings.te_kernel_start(op), name, declared.get(op),
-                    lambda op=op: _torch_unavailable(op, getattr(adapter_cls, "device_type", None), grouped))
+                    lambda op=op: _declared_wrong(op, adapter_cls) or _torch_unavailable(
+                        op, getattr(adapter_cls, "device_type", None), grouped))
             for op in TABLE]
+
+
+def _declared_wrong(op: str, adapter: Any) -> str | None:
+    """Why torch's form of ``op`` may not serve because the adapter (class or instance) declares it wrong."""
+    if op in getattr(adapter, "wrong_torch_ops", ()):
+        return f"adapter {getattr(adapter, 'name', '')!r} declares torch's form wrong on its device (wrong_torch_ops)"
+    return None
 
 
 def _sdpa_unavailable(op: str, device_type: str) -> str | None:

@@ -25,11 +25,11 @@ _start = time.perf_counter()
 
 import torch  # noqa: E402
 
-from portspeed.testing.testdev import DEVICE_TYPE, device_module  # noqa: E402
+from portspeed.testing.testdev import DEVICE_TYPE, bare, device_module  # noqa: E402
 from portspeed.testing.testdev.build import load_extension  # noqa: E402
 from portspeed.testing.testdev.ccl import BACKEND_NAME, register_backend
 
-__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "counters", "extension", "load_seconds", "reset_counters"]
+__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "bare_faults", "counters", "extension", "load_seconds", "reset_counters"]
 
 
 def _register() -> object:
@@ -39,6 +39,7 @@ def _register() -> object:
             f"PrivateUse1 is already taken by {current!r} in this process; the portspeed test device "
             "cannot share a process with another PrivateUse1 device"
         )
+    bare.faults()  # a PORTSPEED_TESTDEV_BARE that names no fault is refused before the library reads it
     ext = load_extension()
     if current != DEVICE_TYPE:
         torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
@@ -65,6 +66,11 @@ def counters() -> dict[str, int]:
     vendor-slot kernels.
     """
     return dict(extension.kernel_counters())
+
+
+def bare_faults() -> tuple[str, ...]:
+    """The faults of the bare variant the loaded library runs with (PORTSPEED_TESTDEV_BARE, read at its load)."""
+    return tuple(extension.bare_faults())
 
 
 def reset_counters() -> None:

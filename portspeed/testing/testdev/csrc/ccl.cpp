@@ -441,11 +441,93 @@ class TestCCL final : public c10d::Backend {
   std::shared_ptr<Hooks> hooks_ = std::make_shared<Hooks>();
 };
 
+// The bare variant's CCL (PORTSPEED_TESTDEV_BARE=stub-ccl): what OpenReg's OCCL does on torch 2.13. Every call
+// returns at once having moved no data: an all_reduce hands its input back, a broadcast changes nothing, a gather
+// or scatter leaves zeros in its outputs, a receive leaves its buffer as it was. It raises nothing, so only a
+// value-for-value check finds it.
+class StubCCL final : public c10d::Backend {
+ public:
+  StubCCL(int rank, int size) : c10d::Backend(rank, size) {}
+
+  const std::string getBackendName() const override { return "testccl"; }
+
+  WorkPtr broadcast(std::vector<at::Tensor>&, const c10d::BroadcastOptions&) override { return done(); }
+  WorkPtr allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override { return done(); }
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>&, const c10d::AllreduceCoalescedOptions&) override {
+    return done();
+  }
+  WorkPtr reduce(std::vector<at::Tensor>&, const c10d::ReduceOptions&) override { return done(); }
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>&,
+                    const c10d::AllgatherOptions&) override {
+    for (auto& list : outputs) zero(list);
+    return done();
+  }
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor&, const c10d::AllgatherOptions&) override {
+    return zero_one(output);
+  }
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>&,
+                                          const c10d::AllgatherOptions&) override {
+    zero(outputs);
+    return done();
+  }
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>&,
+                 const c10d::GatherOptions&) override {
+    for (auto& list : outputs) zero(list);
+    return done();
+  }
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>&,
+                  const c10d::ScatterOptions&) override {
+    zero(outputs);
+    return done();
+  }
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>&,
+                         const c10d::ReduceScatterOptions&) override {
+    zero(outputs);
+    return done();
+  }
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor&, const c10d::ReduceScatterOptions&) override {
+    return zero_one(output);
+  }
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>&,
+                                          const c10d::ReduceScatterOptions&) override {
+    zero(outputs);
+    return done();
+  }
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor&, std::vector<int64_t>&, std::vector<int64_t>&,
+                        const c10d::AllToAllOptions&) override {
+    return zero_one(output);
+  }
+  WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>&, const c10d::AllToAllOptions&) override {
+    zero(outputs);
+    return done();
+  }
+  WorkPtr send(std::vector<at::Tensor>&, int, int) override { return done(); }
+  WorkPtr recv(std::vector<at::Tensor>&, int, int) override { return done(); }
+  WorkPtr recvAnysource(std::vector<at::Tensor>&, int) override { return done(); }
+  WorkPtr barrier(const c10d::BarrierOptions&) override { return done(); }
+
+ private:
+  WorkPtr done() {
+    return c10::make_intrusive<StagedWork>(WorkPtr(), std::vector<std::pair<at::Tensor, at::Tensor>>{},
+                                           c10d::OpType::UNKNOWN, std::vector<at::Tensor>{}, getRank(), nullptr);
+  }
+  static void zero(std::vector<at::Tensor>& ts) {
+    at::NoGradGuard no_grad;
+    for (auto& t : ts) t.zero_();
+  }
+  WorkPtr zero_one(at::Tensor& t) {
+    at::NoGradGuard no_grad;
+    t.zero_();
+    return done();
+  }
+};
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Backend> create_backend(py::object gloo, int rank, int size) {
   auto* raw = gloo.cast<c10d::Backend*>();
   TORCH_CHECK(raw != nullptr, "testccl needs a Gloo backend object to stage through");
+  if (bare("stub-ccl")) return c10::make_intrusive<StubCCL>(rank, size);
   auto held = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(raw);
   return c10::make_intrusive<TestCCL>(std::move(held), rank, size);
 }

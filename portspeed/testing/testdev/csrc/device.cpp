@@ -13,7 +13,10 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
+#include <iterator>
+#include <string>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +54,44 @@ struct Event {
 };
 
 }  // namespace
+
+// The faults PORTSPEED_TESTDEV_BARE names (a comma list, or "all"); portspeed/testing/testdev/bare.py checks
+// the value before the library loads, so an unknown name never reaches here.
+namespace {
+
+const std::vector<std::string>& read_bare_faults() {
+  static const std::vector<std::string> faults = [] {
+    static const char* const kAll[] = {"no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl"};
+    std::vector<std::string> out;
+    const char* env = std::getenv("PORTSPEED_TESTDEV_BARE");
+    std::string value = env == nullptr ? "" : env;
+    size_t start = 0;
+    while (start <= value.size()) {
+      size_t end = value.find(',', start);
+      if (end == std::string::npos) end = value.size();
+      std::string item = value.substr(start, end - start);
+      item.erase(0, item.find_first_not_of(" \t"));
+      item.erase(item.find_last_not_of(" \t") + 1);
+      if (item == "all") {
+        out.assign(std::begin(kAll), std::end(kAll));
+      } else if (!item.empty() && std::find(out.begin(), out.end(), item) == out.end()) {
+        out.push_back(item);
+      }
+      start = end + 1;
+    }
+    return out;
+  }();
+  return faults;
+}
+
+}  // namespace
+
+bool bare(const char* fault) {
+  const auto& faults = read_bare_faults();
+  return std::find(faults.begin(), faults.end(), fault) != faults.end();
+}
+
+std::vector<std::string> bare_faults() { return read_bare_faults(); }
 
 c10::DeviceIndex device_count() {
   static const c10::DeviceIndex count = read_device_count();

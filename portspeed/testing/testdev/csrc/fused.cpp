@@ -133,6 +133,14 @@ FusedOutputs attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   bump(kSdpaForward);
   const c10::Device device = q.device();
   c10::DeviceGuard guard(device);
+  if (bare("wrong-sdpa")) {  // the bare variant: outputs never written (OpenReg's SDPA on torch 2.13)
+    const auto ints = q.options().dtype(at::kInt);
+    const auto longs = q.options().dtype(at::kLong);
+    return {at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options()),
+            at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat)),
+            at::empty({0}, ints), at::empty({0}, ints), c10::SymInt(q.size(2)), c10::SymInt(k.size(2)),
+            at::empty({}, longs), at::empty({}, longs), at::empty({0}, q.options())};
+  }
   auto [out, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q.cpu(), k.cpu(), v.cpu(), 0.0, is_causal,
                                                                     host_mask(attn_bias, q, k.size(2)), scale);
   const auto ints = q.options().dtype(at::kInt);
@@ -154,6 +162,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward(
   bump(kSdpaBackward);
   const c10::Device device = q.device();
   c10::DeviceGuard guard(device);
+  if (bare("wrong-sdpa")) {
+    return {at::empty_like(q), at::empty_like(k), at::empty_like(v), at::Tensor()};
+  }
   std::optional<at::Tensor> bias = attn_bias.defined() ? std::optional<at::Tensor>(attn_bias) : std::nullopt;
   auto [dq, dk, dv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
       grad_out.cpu(), q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu(), 0.0, is_causal, host_mask(bias, q, k.size(2)),

@@ -213,6 +213,19 @@ void checked_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return;
   }
 
+  if (bare("host-rng")) {
+    // The bare variant: random operators draw from the host's default generator through the CPU fallback (the
+    // device generators exist, and seed, but nothing draws from them), and a device generator is refused.
+    for (size_t slot : generator_slots) {
+      const c10::IValue& v = (*stack)[slot];
+      TORCH_CHECK(v.isNone() || v.toGenerator().device().is_cpu(), "Expected a 'cpu' device type for generator "
+                  "but found '", v.isNone() ? c10::DeviceType::CPU : v.toGenerator().device().type(),
+                  "' (testdev operator ", schema.operator_name(), ")");
+    }
+    at::native::cpu_fallback(op, stack);
+    return;
+  }
+
   // Random operator: run it on the host with a generator that holds the device generator's
   // state, then hand the advanced state back, so draws come from (and advance) the device one.
   struct Borrowed {
@@ -259,7 +272,11 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
   m.impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
   m.impl("record_stream", TORCH_FN(record_stream));
-  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+  // The bare variant leaves torch's default (PrivateUse1 is not in its list of dense backends), as OpenReg does:
+  // `module.to(device)` then makes new Parameter objects and `param.data = t` across host and device raises.
+  if (!bare("no-shallow-copy")) {
+    m.impl("_has_compatible_shallow_copy_type", TORCH_FN(has_compatible_shallow_copy_type));
+  }
   // Composed of operators that reach this device (empty_like, bernoulli_, mul): the mask is
   // drawn by bernoulli_ from the device generator through the checked fallback.
   m.impl("native_dropout", TORCH_FN(at::native::native_dropout_cpu));

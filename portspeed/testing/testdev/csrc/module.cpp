@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("is_pinned_ptr", [](uintptr_t ptr) { return testdev::is_pinned(reinterpret_cast<const void*>(ptr)); });
   m.def("kernel_counters", &testdev::kernel_counters, "calls of the device's own fused kernels (fused.cpp)");
   m.def("reset_kernel_counters", &testdev::reset_kernel_counters);
+  m.def("bare_faults", &testdev::bare_faults, "the faults of the bare variant this library read (PORTSPEED_TESTDEV_BARE)");
   m.def("create_backend", &testdev::create_backend, py::arg("gloo"), py::arg("rank"), py::arg("size"),
         "the testccl c10d backend, staging through the given Gloo backend");
 }

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace testdev {
 
@@ -35,6 +36,12 @@ const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
 int64_t current_stream_id(c10::DeviceIndex index);
 void register_hooks();
+
+// ---- the bare variant (device.cpp): PORTSPEED_TESTDEV_BARE, read once at load time. Each named fault
+// turns off one thing this device does that a new vendor's device often does not (portspeed/testing/testdev/
+// bare.py lists them): "no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl"; "all".
+bool bare(const char* fault);
+std::vector<std::string> bare_faults();
 
 // ---- memory (memory.cpp)
 c10::Allocator* device_allocator();

@@ -1,0 +1,60 @@
+"""What an adapter declares where its device falls short, checked when the class is defined, and the stated value
+``total_memory`` answers for a device that cannot say its memory.
+
+The declarations (``Accelerator.total_memory_bytes``, ``host_generator``, ``wrong_torch_ops``) are what
+``portspeed conformance`` prints for a device that lacks something; this module refuses one of the wrong kind,
+naming the attribute (``check_declarations``), and holds the one degraded answer of the contract's defaults:
+``unknown_total_memory`` (the declared figure, else the host's physical memory, said once per adapter).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["check_declarations", "host_memory_bytes", "unknown_total_memory"]
+
+
+def check_declarations(cls: type, error: type[Exception]) -> None:
+    """Refuse, naming the attribute and what it takes, a declaration of the wrong kind (when the class is defined)."""
+    from portspeed.settings import TE_KERNEL_OPS
+
+    where = f"adapter class {cls.__module__}.{cls.__qualname__}"
+    total = cls.__dict__.get("total_memory_bytes")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total <= 0):
+        raise error(f"{where}: total_memory_bytes = {total!r}; give the device's memory in bytes as a positive int "
+                    "(or leave it None: ask the device)")
+    wrong = cls.__dict__.get("wrong_torch_ops")
+    if wrong is not None:
+        names = (wrong,) if isinstance(wrong, str) else tuple(wrong)
+        unknown = [n for n in names if n not in TE_KERNEL_OPS]
+        if unknown:
+            raise error(f"{where}: wrong_torch_ops names {', '.join(map(repr, unknown))}, not an operation of the "
+                        f"portable Transformer Engine; name some of {', '.join(TE_KERNEL_OPS)}")
+        cls.wrong_torch_ops = names
+
+
+_warned_memory: set[str] = set()
+
+
+def host_memory_bytes() -> int:
+    """The host's physical memory in bytes (what ``total_memory`` answers for a device that cannot say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not a POSIX host
+        return 16 << 30
+
+
+def unknown_total_memory(acc: Any, index: int, exc: BaseException) -> int:
+    """The declared ``total_memory_bytes``, else the host's memory, saying once per adapter what was answered."""
+    if acc.total_memory_bytes is not None:
+        return int(acc.total_memory_bytes)
+    answer = host_memory_bytes()
+    if acc.name not in _warned_memory:
+        _warned_memory.add(acc.name)
+        logging.getLogger("portspeed").warning(
+            "portspeed: the %r device cannot say its total memory (%s: %s); answering %d bytes, the host's physical "
+            "memory; declare total_memory_bytes = <bytes per device> in %s", acc.name, type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "", answer, type(acc).__name__)
+    return answer
