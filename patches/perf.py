@@ -1,0 +1,66 @@
+"""The perf recording's patches, declared only when ``PORTSPEED_PERF`` is set (unset: none, nothing installed).
+
+- ``torch.distributed``'s collectives and point-to-point calls, wrapped by the probe's recording
+  wrapper (``portspeed.probe.collectives.recorded``) plugged into the perf recording's own slot
+  (``portspeed.perf.collectives.SLOT``): outside the router and the flight recorder (``ORDER``), so
+  each call is seen as the caller made it; straight through unless an iteration is being timed.
+- Megatron's schedule and optimizers (``patches/megatron/perf.py``): where an iteration begins and ends.
+
+``for_megatron()`` is what the Megatron integration takes; ``all_patches()`` the whole set (`portspeed
+patches` lists it as ``perf``). DeepSpeed's engine and the Hugging Face Trainer are not marked yet: an
+own loop (or one of those) marks iterations with ``portspeed.perf.iteration(n, model)``.
+"""
+
+from __future__ import annotations
+
+from portspeed import config
+from portspeed.patching.record import WRAP, Patch
+from portspeed.perf import collectives
+from portspeed.probe.collectives import recorded
+
+__all__ = ["all_patches", "collective_patches", "configured", "for_deepspeed", "for_megatron"]
+
+_MOD = "torch.distributed.distributed_c10d"
+#: outside the router's (0) and the flight recorder's wrappers; beside the probe's (100)
+ORDER = 110
+
+
+def configured() -> bool:
+    """Whether the perf recording is configured in this process (PORTSPEED_PERF)."""
+    return bool(config.settings().perf_dir)
+
+
+def collective_patches() -> list[Patch]:
+    """The timing wrappers of every collective and point-to-point call this torch has."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return [Patch(
+        name=f"torch.distributed.{fn}.perf",
+        target=f"{_MOD}:{fn}",
+        kind=WRAP,
+        impl=recorded(fn, collectives.SLOT, "perf"),
+        style="function",
+        order=ORDER,
+        distribution="torch",
+        versions=">=2.6",
+        reason="--perf: note when this rank entered and left the collective, its bytes and what the router did.",
+    ) for fn in collectives.RECORDED if hasattr(c10d, fn)]
+
+
+def for_megatron() -> list[Patch]:
+    """Megatron's schedule and optimizers and the collectives (PORTSPEED_PERF set), else []."""
+    if not configured():
+        return []
+    from portspeed.patches.megatron.perf import perf_patches
+
+    return [*collective_patches(), *perf_patches()]
+
+
+def for_deepspeed() -> list[Patch]:
+    """The collectives (PORTSPEED_PERF set), else []; DeepSpeed's iterations are marked by the documented call."""
+    return collective_patches() if configured() else []
+
+
+def all_patches() -> list[Patch]:
+    """Every perf patch (PORTSPEED_PERF set), else []."""
+    return for_megatron()

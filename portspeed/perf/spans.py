@@ -1,0 +1,181 @@
+"""Each module's forward and backward as spans between two clock stamps, nested, under the probe's canonical paths.
+
+Why spans and not totals: a module's time includes its children's; naming where a port is slow needs
+each module's own (self) time, its time minus its children's, or a slowed layer would show up in every
+module above it. Spans nest on one stack: a forward pre-hook opens a forward span, the forward hook
+closes it; the first gradient reaching any of a module's outputs opens its backward span, the gradient
+of its inputs closes it (``torch.autograd.graph.register_multi_grad_hook``, mode "any"). A span still
+open when its parent closes is closed with it, and a backward span still open when autograd's engine
+finishes the backward pass ends there (a module whose inputs need no gradient: the embedding, the
+model chunk itself). A forward run while autograd's engine runs (an
+activation recompute) is timed as part of the backward, where its cost lands.
+
+The paths are the probe's (``portspeed.probe.modules.ModuleTable``: wrappers stripped, global layer
+and expert numbers), so a TP2 or PP2 run names a module as a one-rank run does; the model chunk itself
+is ``(model)``. Hooks are installed for one iteration and removed at its end; they only stamp the clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from portspeed.perf.clock import Clock
+from portspeed.probe.modules import ModuleTable
+
+__all__ = ["ROOT", "Span", "SpanHooks"]
+
+#: the path of a model chunk itself
+ROOT = "(model)"
+
+
+@dataclasses.dataclass(eq=False)
+class Span:
+    """One call of one module in one phase."""
+
+    path: str
+    cls: str
+    phase: str  # forward | backward
+    start: Any  # clock stamps
+    end: Any = None
+    parent: "Span | None" = None
+    children: list["Span"] = dataclasses.field(default_factory=list)
+    #: what the dispatch mode saw inside (this span only, not its children): "syncs" / "fallbacks" -> name -> count
+    counts: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    copies: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # d2h / h2d / d2d -> [count, bytes]
+    ops: list[tuple[str, Any, Any]] = dataclasses.field(default_factory=list)  # op level: (op, start, end)
+    collectives: list[int] = dataclasses.field(default_factory=list)  # indexes into the iteration's collectives
+
+    def count(self, kind: str, name: str) -> None:
+        table = self.counts.setdefault(kind, {})
+        table[name] = table.get(name, 0) + 1
+
+    def add_copy(self, kind: str, nbytes: int) -> None:
+        got = self.copies.setdefault(kind, [0, 0])
+        got[0] += 1
+        got[1] += int(nbytes)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _needing_grad(value: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(value) if t.requires_grad]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class SpanHooks:
+    """The hooks of one iteration; ``spans`` in the order they opened, ``current()`` the innermost open one."""
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], table: ModuleTable, clock: Clock) -> None:
+        self.clock = clock
+        self.stack: list[Span] = []
+        self.spans: list[Span] = []
+        self._handles: list[Any] = []
+        self._task = -1  # the backward pass whose end closes what it left open
+        self._pending_inputs: dict[int, list[torch.Tensor]] = {}  # a forward span -> its inputs needing a gradient
+        self._modules: list[tuple[torch.nn.Module, str, str]] = [
+            (table.roots[c], ROOT, type(table.roots[c]).__name__) for c in range(len(chunks))]
+        self._modules += [(i.module, i.path, i.cls) for i in table.infos]
+
+    def install(self) -> "SpanHooks":
+        for module, path, cls in self._modules:
+            self._handles.append(module.register_forward_pre_hook(self._pre(path, cls)))
+            self._handles.append(module.register_forward_hook(self._post(path, cls)))
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def current(self) -> Span | None:
+        """The innermost span open now (what a host sync or a collective is charged to)."""
+        return self.stack[-1] if self.stack else None
+
+    def close_all(self) -> None:
+        """The forward/backward is over: whatever is still open ends now."""
+        if self.stack:
+            self._close(self.stack[0], self.clock.stamp())
+
+    # ------------------------------------------------------------ spans
+    def _open(self, path: str, cls: str, phase: str) -> Span:
+        parent = self.stack[-1] if self.stack else None
+        span = Span(path, cls, phase, self.clock.stamp(), parent=parent)
+        if parent is not None:
+            parent.children.append(span)
+        self.stack.append(span)
+        self.spans.append(span)
+        return span
+
+    def _close(self, span: Span, stamp: Any = None) -> None:
+        if span.end is not None or span not in self.stack:
+            return
+        stamp = self.clock.stamp() if stamp is None else stamp
+        while self.stack:
+            top = self.stack.pop()
+            top.end = stamp
+            if top is span:
+                return
+
+    def _close_at_backward_end(self) -> None:
+        """Once per backward pass: when autograd's engine finishes it, the spans it left open end (a module whose
+        inputs need no gradient, the model chunk itself)."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task = task
+
+        def done() -> None:
+            stamp = None
+            while self.stack and self.stack[-1].phase == "backward":
+                stamp = self.clock.stamp() if stamp is None else stamp
+                self.stack.pop().end = stamp
+
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    # ------------------------------------------------------------ hooks
+    def _pre(self, path: str, cls: str) -> Callable:
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            span = self._open(path, cls, "backward" if _in_backward() else "forward")
+            module_inputs = _needing_grad(args)
+            if module_inputs and not _in_backward():
+                self._pending_inputs[id(span)] = module_inputs
+            return None
+        return pre
+
+    def _post(self, path: str, cls: str) -> Callable:
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            span = next((s for s in reversed(self.stack) if s.path == path and s.end is None), None)
+            if span is None:
+                return None
+            self._close(span)
+            inputs = self._pending_inputs.pop(id(span), None)
+            outputs = _needing_grad(output)
+            if span.phase != "forward" or not outputs:
+                return None
+            holder: dict[str, Span] = {}
+
+            def begin(_grads: Any) -> None:
+                holder["span"] = self._open(path, cls, "backward")
+                self._close_at_backward_end()
+
+            def finish(_grads: Any) -> None:
+                opened = holder.pop("span", None)
+                if opened is not None:
+                    self._close(opened)
+
+            torch.autograd.graph.register_multi_grad_hook(outputs, begin, mode="any")
+            if inputs:
+                torch.autograd.graph.register_multi_grad_hook(inputs, finish, mode="any")
+            return None
+        return post
