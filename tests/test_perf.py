@@ -1,0 +1,288 @@
+"""Where a port is slow: `portspeed run --perf` recordings of the example trainer, read by `portspeed compare --perf`.
+
+The example trainer (megatron-core on CPU + Gloo, and the C++ test device), a 2-layer GPT, timed with no
+edit through `portspeed run --perf` (and once through torchrun and ``PORTSPEED_PERF``). One module fixture
+launches every run once, two at a time; each check reads one or two of them:
+
+- planted slowness, named by the parsed first line: decoder layer 1's MLP sleeping on the test device
+  (against the CPU: across devices), ``.item()`` host round trips in the same MLP (named with their
+  count: 4 per forward x 2 micro-batches), and, in TP2, rank 1 sleeping in every layer's MLP (named from
+  the one run as the slow rank, busy computing; against the clean TP2 run, rank 1 is in the first line);
+- no false alarm: two clean runs of the same configuration exit 0, and the clean TP2 run has no slow rank;
+- bad switches and unusable recordings: exit 2 with one line; with the recording off nothing is declared;
+- an own loop marked with ``portspeed.perf.iteration``: its spans, backward included, and its syncs.
+
+No check reads a time against a bound: the plants are an order of magnitude above the threshold, and the
+threshold is the one `portspeed compare --perf` uses.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helpers.requires import require
+
+require("megatron.core", "pip install 'portspeed[megatron]'")
+
+from helpers.launch import Result, child_json, free_port, run_python  # noqa: E402
+from portspeed.cli import run as launch  # noqa: E402
+from portspeed.parity import compare as compare_cli  # noqa: E402
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.megatron]
+
+SCRIPT = "examples/pretrain_gpt.py"
+#: the smallest GPT with two layers and two micro-batches per iteration; iterations 2-6 timed (1 warms up)
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--vocab-size", "64", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-3",
+         "--seed", "1234", "--iters", "6"]
+MICRO_BATCHES = 2
+ITEMS = 4  # .item() calls per planted forward
+TIMEOUT = 300
+PERF = ["--perf-iterations", "2:6"]
+
+#: name -> (ranks, the example's flags, environment); "clean-b" goes through torchrun and PORTSPEED_PERF*
+RUNS: dict[str, tuple[int, list[str], dict[str, str]]] = {
+    "tp2": (2, [*MODEL, "--tp", "2"], {}),
+    "tp2-slow-rank": (2, [*MODEL, "--tp", "2", "--plant-slow", "*:25:1"], {}),
+    "testdev-slow": (1, [*MODEL, "--plant-slow", "1:40"], {"PORTSPEED_ACCELERATOR": "testdev"}),
+    "clean-a": (1, MODEL, {}),
+    "clean-b": (1, MODEL, {}),
+    "item": (1, [*MODEL, "--plant-item", f"1:{ITEMS}"], {}),
+}
+
+_FIRST = re.compile(r"^slowest part: iteration (?P<iteration>\d+), (?P<module>\S+) (?P<phase>\S+)"
+                    r"(?: op (?P<op>\S+))?, rank (?P<rank>\d+): (?P<run>[\d.]+)% of the step on RUN vs "
+                    r"(?P<ref>[\d.]+)% on REF \(\+(?P<points>[\d.]+) points, (?P<ms>-?[\d.]+) ms\): (?P<cause>.*)$")
+
+
+def launch_run(name: str, root: Path) -> Result:
+    """One run of RUNS, its recording in root/name (a port taken between choosing and binding is retried once)."""
+    n, args, env = RUNS[name]
+    out = root / name
+    for attempt in range(2):
+        port = ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+        if name == "clean-b":  # plain torchrun: the settings alone switch the recording on
+            cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(n), *port, SCRIPT, *args]
+            env = {**env, "PORTSPEED_PERF": str(out), "PORTSPEED_PERF_ITERATIONS": "2:6"}
+        else:
+            cmd = ["-m", "portspeed.cli", "run", "--perf", str(out), *PERF, "--nproc-per-node", str(n), *port, SCRIPT,
+                   *args]
+        res = run_python(cmd, timeout=TIMEOUT, env=env, drop=("PORTSPEED_*",))
+        if res.returncode == 0 or "EADDRINUSE" not in res.stderr or attempt:
+            return res
+        shutil.rmtree(out, ignore_errors=True)
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every run of RUNS: {"root": Path, name: Result}. The clean TP2 run goes alone: beside other jobs on two
+    cores one of its ranks is starved, a real slow rank that its report would rightly name; then the others
+    two at a time."""
+    root = tmp_path_factory.mktemp("perf")
+    got = {"tp2": launch_run("tp2", root)}
+    rest = [k for k in RUNS if k != "tp2"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got.update(zip(rest, pool.map(lambda k: launch_run(k, root), rest)))
+    return {"root": root, **got}
+
+
+def recording(runs: dict[str, Any], name: str) -> Path:
+    runs[name].check()
+    return runs["root"] / name
+
+
+def compare(*args: Any) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = compare_cli.main(["--perf", *map(str, args)], out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def first(out: str) -> dict[str, str]:
+    m = _FIRST.match(out.splitlines()[0] if out else "")
+    assert m, f"no 'slowest part' line:\n{out[:3000]}"
+    return m.groupdict()
+
+
+def lines(folder: Path, rank: int = 0) -> list[dict[str, Any]]:
+    return [json.loads(t) for t in (folder / f"rank{rank}.jsonl").read_text().splitlines() if t.strip()]
+
+
+# ------------------------------------------------------------------ no false alarm, and what a recording holds
+
+
+def test_two_clean_runs_of_the_same_configuration_name_no_part(runs: dict[str, Any]) -> None:
+    """portspeed run --perf and torchrun + PORTSPEED_PERF, same configuration: exit 0, the threshold printed."""
+    code, out, err = compare(recording(runs, "clean-a"), recording(runs, "clean-b"))
+    assert code == 0 and out.startswith("no slow part: no part's share of the step grew by more than "), out + err
+    assert re.search(r"threshold \d+(\.\d+)? points", out.splitlines()[1]), out[:2000]
+
+
+def test_a_recording_times_every_layer_forward_and_backward_on_the_host_clock(runs: dict[str, Any]) -> None:
+    """Iterations 2-6, one line each; every decoder layer's module has a forward and a backward part, the step is
+    covered by the parts (their own times add up to the step), the clock is named."""
+    got = lines(recording(runs, "clean-a"))
+    assert [g["iteration"] for g in got] == [2, 3, 4, 5, 6]
+    for line in got:
+        assert line["clock"] == "host" and line["layout"]["tp"] == 1, line["clock"]
+        keys = {(p["path"], p["phase"]) for p in line["parts"]}
+        for layer in (0, 1):
+            for sub in ("", ".self_attention", ".mlp", ".mlp.linear_fc1"):
+                for phase in ("forward", "backward"):
+                    assert (f"decoder.layers.{layer}{sub}", phase) in keys, (layer, sub, phase, sorted(keys))
+        own = sum(p["self_ms"] for p in line["parts"])
+        assert own == pytest.approx(line["step_ms"], rel=0.02), (own, line["step_ms"])
+        mlp = next(p for p in line["parts"] if p["path"] == "decoder.layers.1.mlp" and p["phase"] == "forward")
+        assert mlp["calls"] == MICRO_BATCHES and not mlp["syncs"], mlp
+
+
+# ------------------------------------------------------------------ planted slowness, named
+
+
+@pytest.mark.testdev
+def test_a_module_slowed_on_the_test_device_is_named_against_the_cpu(runs: dict[str, Any]) -> None:
+    """Layer 1's MLP sleeping 40 ms a forward on the test device, against the clean CPU run: that module, forward,
+    named; the test device's timing events are the clock, and its CPU-fallback ops are counted."""
+    run = recording(runs, "testdev-slow")
+    assert {line["clock"] for line in lines(run)} == {"device-events"}
+    code, out, _ = compare(recording(runs, "clean-a"), run)
+    got = first(out)
+    assert code == 1 and (got["module"], got["phase"], got["rank"]) == ("decoder.layers.1.mlp", "forward", "0"), out
+    assert "ran through the CPU fallback" in got["cause"], got["cause"]
+
+
+def test_a_planted_item_round_trip_is_named_with_its_count(runs: dict[str, Any]) -> None:
+    """.item() x4 in layer 1's MLP forward: that module named, the cause counting 4 x 2 micro-batches, REF none."""
+    code, out, _ = compare(recording(runs, "clean-a"), recording(runs, "item"))
+    got = first(out)
+    assert code == 1 and (got["module"], got["phase"]) == ("decoder.layers.1.mlp", "forward"), out[:2000]
+    n = ITEMS * MICRO_BATCHES
+    assert f"{n} host syncs (.item() x{n}; REF 0)" in got["cause"], got["cause"]
+
+
+def test_a_slow_rank_in_tp2_is_named_from_one_run(runs: dict[str, Any]) -> None:
+    """Rank 1 sleeping in every layer's MLP: the one run names rank 1, busy computing, and its slowest part; the
+    clean TP2 run names no slow rank."""
+    code, out, _ = compare(recording(runs, "tp2-slow-rank"))
+    head = out.splitlines()[0]
+    assert code == 1 and head.startswith("slow rank: rank 1 arrives last at "), out[:2000]
+    assert "busy computing" in head and re.search(r"decoder\.layers\.\d\.mlp forward took", head), head
+    code, out, _ = compare(recording(runs, "tp2"))
+    assert code == 0 and out.startswith("no slow rank: "), out[:2000]
+
+
+def test_the_slow_rank_is_in_the_first_line_against_the_clean_tp2_run(runs: dict[str, Any]) -> None:
+    """Against the clean TP2 run, the first line names rank 1's MLP, or a rank 0 part waiting for rank 1."""
+    code, out, _ = compare(recording(runs, "tp2"), recording(runs, "tp2-slow-rank"))
+    got = first(out)
+    assert code == 1, out[:2000]
+    assert (got["rank"], got["phase"]) == ("1", "forward") and ".mlp" in got["module"] \
+        or "rank 1 arrived last" in got["cause"], out[:2000]
+
+
+# ------------------------------------------------------------------ refusals, and nothing when off
+
+PERF_LINES = [
+    (["--perf", "rec", "--perf-level", "deep", "train.py"], ["--perf-level 'deep' is not a perf level"]),
+    (["--perf", "rec", "--perf-iterations", "0:3", "train.py"], ["--perf-iterations '0:3' is not a range"]),
+    (["--perf", "rec", "--perf-ranks", "one", "train.py"], ["--perf-ranks 'one' is not a list of ranks"]),
+    (["--nproc-per-node", "2", "--perf", "rec", "--perf-ranks", "0,2", "train.py"],
+     ["--perf-ranks '0,2': rank 2 is not in this job's ranks 0..1"]),
+    (["--perf-level", "op", "train.py"], ["--perf-level needs --perf DIR"]),
+    (["--perf", "/proc/portspeed-perf", "train.py"], ["--perf '/proc/portspeed-perf' is not a writable folder"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", PERF_LINES, ids=[" ".join(r[0]) for r in PERF_LINES])
+def test_a_bad_perf_switch_exits_2_with_one_line(argv: list[str], words: list[str], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    import torch.distributed.run as tdr
+
+    (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
+    monkeypatch.chdir(tmp_path)
+    started: list = []
+    monkeypatch.setattr(tdr, "run", lambda args: started.append(args))
+    assert launch.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("portspeed run: error: ") and len(err.splitlines()) == 1, err
+    assert all(w in err for w in words), err
+    assert not started and not (tmp_path / "rec").exists()
+
+
+def test_a_folder_holding_a_recording_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / "rank0.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
+    assert launch.main(["--perf", "rec", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a perf recording" in err and "rank0.jsonl" in err and err.count("\n") == 1, err
+
+
+def test_unusable_recordings_exit_2_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "rank0.jsonl").write_text("not json\n")
+    for args, words in (([tmp_path / "missing"], "is not a folder"), ([tmp_path / "empty"], "holds no perf recording"),
+                        ([bad, bad], "rank0.jsonl:1 is not JSON"), ([bad, bad, bad], "takes one recording")):
+        code, out, err = compare(*args)
+        assert code == 2 and not out and err.count("\n") == 1 and words in err, (args, err)
+    code, out, err = compare(tmp_path / "empty", "--rtol", "1")
+    assert code == 2 and "do not apply to perf recordings" in err, err
+
+
+def test_nothing_is_declared_or_installed_when_perf_is_off() -> None:
+    """PORTSPEED_PERF unset: no perf patch among the Megatron set, no session, no wrapper target."""
+    got = child_json("""
+        import json
+        from portspeed.integrations.megatron import megatron_patches
+        from portspeed.perf import session, collectives
+        from portspeed.patches import perf
+        names = [p.name for p in megatron_patches()]
+        print(json.dumps({"perf": [n for n in names if ".perf" in n], "declared": len(perf.all_patches()),
+                          "session": session.current() is not None, "target": collectives.SLOT.target is not None,
+                          "patches": len(names)}))
+    """, timeout=120, drop=("PORTSPEED_*",))
+    assert got == {"perf": [], "declared": 0, "session": False, "target": False, "patches": got["patches"]}, got
+    assert got["patches"] > 10, got
+
+
+def test_an_own_loop_marked_with_the_documented_call_is_timed(tmp_path: Path) -> None:
+    """portspeed.perf.iteration(n, model) on a plain torch loop: iterations 2-3 written, forward and backward of
+    each layer, the .item() inside one layer counted there."""
+    got = child_json(f"""
+        import json, torch
+        import portspeed.perf
+
+        class Noisy(torch.nn.Linear):
+            def forward(self, x):
+                x.sum().item()
+                return super().forward(x)
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), Noisy(8, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for n in range(1, 4):
+            with portspeed.perf.iteration(n, model):
+                model(torch.randn(4, 8, requires_grad=True)).square().sum().backward()
+                portspeed.perf.forward_backward_done()
+                opt.step()
+                opt.zero_grad()
+        rows = [json.loads(t) for t in open({str(tmp_path / 'rank0.jsonl')!r})]
+        print(json.dumps([{{f"{{p['path']}} {{p['phase']}}": p["syncs"] for p in r["parts"]}} | {{"n": r["iteration"]}}
+                          for r in rows]))
+    """, timeout=120, env={"PORTSPEED_PERF": str(tmp_path), "PORTSPEED_PERF_ITERATIONS": "2:3",
+                           "PORTSPEED_ACCELERATOR": "cpu"}, drop=("PORTSPEED_*",))
+    assert [g.pop("n") for g in got] == [2, 3]
+    for parts in got:
+        assert {"0 forward", "0 backward", "2 forward", "2 backward", "(model) forward"} <= set(parts), parts
+        assert parts["2 forward"] == {".item()": 1} and parts["0 forward"] == {}, parts
