@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "share of the step grew most and why; with one RUN, name the slow rank")
     p.add_argument("--threshold", type=_nonneg, default=None, metavar="POINTS",
                    help="--perf: name a part only when its share of the step grew by more than POINTS percentage "
-                        "points (default 5)")
+                        "points (default 10)")
     p.add_argument("--layers", action="store_true", help="replaced by --probe (docs/accuracy.md)")
     return p
 

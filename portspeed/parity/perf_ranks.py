@@ -2,11 +2,12 @@
 
 Why from the collectives: a rank that is slow makes every other rank of its groups wait for it, so it is
 the one that arrives last at the collectives after its slow work. Each collective is matched across the
-ranks of its group (``perf_format.Match``); the rank that arrives last is charged the spread (how long
-the first rank waited for it). Counting arrivals alone misleads: a backend lets its ranks leave a
-collective in a fixed order, so in back-to-back collectives one rank arrives last by a fraction of a
-millisecond most of the time. So the slow rank is the one charged the most waiting, by a margin over the
-next rank of at least ``MIN_SHARE`` of the median step, per iteration (median over the timed iterations).
+ranks of its group (``perf_format.Match``). Counting who arrives last misleads: a backend lets its ranks
+leave a collective in a fixed order, so in back-to-back collectives the rank let go last also arrives
+last. So the rank that arrives last is charged only what its own work since its previous collective
+took beyond the other ranks' (its gap minus theirs), at most the spread (how long the first rank waited
+for it). The slow rank is the one charged the most, by a margin over the next rank of at least
+``MIN_SHARE`` of the median step, per iteration (median over the timed iterations).
 Then: busy computing (it waited little in collectives itself while the others waited for it; the part
 where its own time exceeds the other ranks' most is named) or waiting (it also waited, on something
 outside the collectives this recording sees).
@@ -47,6 +48,16 @@ class SlowRank:
     busy_part: tuple[str, str, float] | None  # the candidate's part with the largest excess over the others (ms)
 
 
+def _gaps(run: PerfRun) -> dict[int, float]:
+    """id(call) -> ms from this rank leaving its previous collective to entering this one (its own work between)."""
+    out: dict[int, float] = {}
+    for line in run.lines.values():
+        calls = sorted((c for c in line.get("collectives", []) if "leave" in c), key=lambda c: c["enter"])
+        for before, call in zip(calls, calls[1:]):
+            out[id(call)] = (call["enter"] - before["leave"]) * 1e3
+    return out
+
+
 def _per_iteration_waits(run: PerfRun, matches: list[Match]) -> dict[int, float]:
     waits: dict[tuple[int, int], float] = {}
     for m in matches:
@@ -81,10 +92,16 @@ def find_slow_rank(run: PerfRun) -> SlowRank:
     spread = [m for m in matches if m.spread_ms > NOISE_MS]
     last: dict[int, int] = {}
     caused: dict[tuple[int, int], float] = {}
+    gaps = _gaps(run)
     for m in spread:
         r = m.last_rank
         last[r] = last.get(r, 0) + 1
-        caused[(m.iteration, r)] = caused.get((m.iteration, r), 0.0) + m.spread_ms
+        mine = gaps.get(id(m.calls[r]))
+        theirs = [gaps.get(id(c)) for q, c in m.calls.items() if q != r]
+        if mine is None or any(g is None for g in theirs):
+            continue  # the first collective of an iteration: nothing before it to compare
+        late = min(m.spread_ms, mine - median([float(g) for g in theirs if g is not None]))
+        caused[(m.iteration, r)] = caused.get((m.iteration, r), 0.0) + max(0.0, late)
     per_rank = {r: median([caused.get((i, r), 0.0) for i in run.iterations]) for r in run.ranks}
     step = median([float(line["step_ms"]) for line in run.lines.values()])
     waits = _per_iteration_waits(run, matches)
