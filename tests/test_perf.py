@@ -203,7 +203,9 @@ PERF_LINES = [
 
 @pytest.mark.parametrize("argv,words", PERF_LINES, ids=[" ".join(r[0]) for r in PERF_LINES])
 def test_a_bad_perf_switch_exits_2_with_one_line(argv: list[str], words: list[str], tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """Refused before any worker starts, one line naming the switch, the folder never made."""
     import torch.distributed.run as tdr
 
     (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
@@ -219,6 +221,7 @@ def test_a_bad_perf_switch_exits_2_with_one_line(argv: list[str], words: list[st
 
 def test_a_folder_holding_a_recording_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture) -> None:
+    """An earlier recording is never appended to: `portspeed run --perf DIR` names it and starts nothing."""
     (tmp_path / "train.py").write_text("raise SystemExit('the script ran')\n")
     (tmp_path / "rec").mkdir()
     (tmp_path / "rec" / "rank0.jsonl").write_text("{}\n")
@@ -229,6 +232,7 @@ def test_a_folder_holding_a_recording_is_refused(tmp_path: Path, monkeypatch: py
 
 
 def test_unusable_recordings_exit_2_with_one_line(tmp_path: Path) -> None:
+    """compare --perf: a missing folder, an empty one, a damaged line, three folders, a loss option: exit 2."""
     (tmp_path / "empty").mkdir()
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -190,7 +190,7 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
           f"{'/'.join(ref.clocks)}); RUN {run.folder} (iterations {_span(run.iterations)}, ranks {len(run.ranks)}, "
           f"clock {'/'.join(run.clocks)}); threshold {limit:g} points", file=out)
     print("\nlargest excesses (share of the step, median iteration):", file=out)
-    for e in excesses[:10]:
+    for e in [e for e in excesses if e.points >= 0.05][:10] or excesses[:1]:
         print(f"  {e.points:+6.1f} points  {e.run_share:5.1f}% vs {e.ref_share:5.1f}%  {e.ms:+8.2f} ms  rank {e.rank}  "
               f"iteration {e.iteration}  {_part(e)}", file=out)
     print("\ncollectives on RUN (median per call; wait: for the last rank to arrive; busbw from the transfer):",

@@ -67,6 +67,9 @@ class PerfSession:
         self._tables: dict[tuple[int, ...], ModuleTable] = {}
         self._clock: Clock | None = None
         self._checked = False
+        #: the dispatch mode (host syncs, copies, CPU fallbacks, op times) is on; a benchmark turns it off to
+        #: measure the spans alone (benchmarks/bench_perf.py)
+        self.host_watch = True
         atexit.register(self.end)
 
     @property
@@ -116,9 +119,10 @@ class PerfSession:
         self.spans = SpanHooks(chunks, table, clock).install()
         self.timer = collectives.CollectiveTimer(self.spans.current)
         collectives.SLOT.target = self.timer
-        self.watch: HostWatch | None = HostWatch(self.spans.current, get_accelerator().device_type,
-                                                 self.level == "op", clock.stamp)
-        self.watch.__enter__()
+        self.watch: HostWatch | None = None
+        if self.host_watch or self.level == "op":
+            self.watch = HostWatch(self.spans.current, get_accelerator().device_type, self.level == "op", clock.stamp)
+            self.watch.__enter__()
         self.open = True
 
     def forward_backward_done(self) -> None:
