@@ -128,11 +128,11 @@ def test_two_clean_runs_of_the_same_configuration_name_no_part(runs: dict[str, A
 
 def test_a_recording_times_every_layer_forward_and_backward_on_the_host_clock(runs: dict[str, Any]) -> None:
     """Iterations 2-6, one line each; every decoder layer's module has a forward and a backward part, the step is
-    covered by the parts (their own times add up to the step), the clock is named."""
+    covered by the parts (their own times add up to the step), the clock and what saw the host syncs are named."""
     got = lines(recording(runs, "clean-a"))
     assert [g["iteration"] for g in got] == [2, 3, 4, 5, 6]
     for line in got:
-        assert line["clock"] == "host" and line["layout"]["tp"] == 1, line["clock"]
+        assert (line["clock"], line["syncs_seen_by"], line["layout"]["tp"]) == ("host", "tensor-methods", 1), line
         keys = {(p["path"], p["phase"]) for p in line["parts"]}
         for layer in (0, 1):
             for sub in ("", ".self_attention", ".mlp", ".mlp.linear_fc1"):
@@ -152,7 +152,7 @@ def test_a_module_slowed_on_the_test_device_is_named_against_the_cpu(runs: dict[
     """Layer 1's MLP sleeping 40 ms a forward on the test device, against the clean CPU run: that module, forward,
     named; the test device's timing events are the clock, and its CPU-fallback ops are counted."""
     run = recording(runs, "testdev-slow")
-    assert {line["clock"] for line in lines(run)} == {"device-events"}
+    assert {(line["clock"], line["syncs_seen_by"]) for line in lines(run)} == {("device-events", "dispatch")}
     code, out, _ = compare(recording(runs, "clean-a"), run)
     got = first(out)
     assert code == 1 and (got["module"], got["phase"], got["rank"]) == ("decoder.layers.1.mlp", "forward", "0"), out

@@ -40,6 +40,7 @@ for _name in ("_unique2", "unique_consecutive", "unique_dim"):
     if _op is not None:
         SYNC_OPS[_op.default] = "unique"
 _COPIES = {_aten._to_copy.default, _aten.copy_.default}
+_WATCHED = frozenset(SYNC_OPS) | _COPIES
 
 
 def _first_tensor(args: tuple) -> torch.Tensor | None:
@@ -60,6 +61,7 @@ class HostWatch(TorchDispatchMode):
         super().__init__()
         self.charge, self.device_type, self.op_level, self.stamp = charge, device_type, op_level, stamp
         self.private = device_type == torch._C._get_privateuse1_backend_name()
+        self.slow = self.private or op_level  # every op is looked at (CPU fallbacks, op times)
         self._has_kernel: dict[Any, bool] = {}
 
     def _no_kernel(self, func: Any) -> bool:
@@ -74,6 +76,8 @@ class HostWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if not self.slow and func not in _WATCHED:  # the common op at module level off a PrivateUse1 device
+            return func(*args, **kwargs)
         span = self.charge()
         if span is None:
             return func(*args, **kwargs)

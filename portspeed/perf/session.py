@@ -8,8 +8,9 @@ recording is driven by the same three calls: ``begin(n, chunks)`` when the sched
 declared: ``patches/perf.py``).
 
 A timed iteration (``A <= n <= B`` of ``--perf-iterations`` on a rank of ``--perf-ranks``) gets, from
-``begin`` to ``forward_backward_done``: the module spans' hooks (``spans``), the dispatch mode counting
-host syncs, copies and CPU fallbacks (``dispatch``), the collective timer (``collectives``). Nothing
+``begin`` to ``forward_backward_done``: the module spans' hooks (``spans``), what counts host syncs and
+copies (at module level the Tensor methods, ``syncs``; at op level or on a PrivateUse1 device, whose CPU
+fallbacks are counted too, the dispatch mode, ``dispatch``), the collective timer (``collectives``). Nothing
 is synchronized per module; ``end`` reads the clock once and appends one line to
 ``DIR/rank<R>.jsonl`` (``writer``).
 """
@@ -28,6 +29,7 @@ from portspeed.perf import collectives, writer
 from portspeed.perf.clock import Clock, make_clock
 from portspeed.perf.dispatch import HostWatch
 from portspeed.perf.spans import SpanHooks
+from portspeed.perf.syncs import MethodWatch
 from portspeed.probe import meta
 from portspeed.probe.modules import ModuleTable
 
@@ -67,9 +69,10 @@ class PerfSession:
         self._tables: dict[tuple[int, ...], ModuleTable] = {}
         self._clock: Clock | None = None
         self._checked = False
-        #: the dispatch mode (host syncs, copies, CPU fallbacks, op times) is on; a benchmark turns it off to
-        #: measure the spans alone (benchmarks/bench_perf.py)
+        #: host syncs and copies are watched (the Tensor methods at module level, the dispatch mode at op level or
+        #: on a PrivateUse1 device); a benchmark turns it off to measure the spans alone (benchmarks/bench_perf.py)
         self.host_watch = True
+        self.sees = "off"
         atexit.register(self.end)
 
     @property
@@ -120,9 +123,16 @@ class PerfSession:
         self.timer = collectives.CollectiveTimer(self.spans.current)
         collectives.SLOT.target = self.timer
         self.watch: HostWatch | None = None
-        if self.host_watch or self.level == "op":
-            self.watch = HostWatch(self.spans.current, get_accelerator().device_type, self.level == "op", clock.stamp)
+        self.methods: MethodWatch | None = None
+        device = get_accelerator().device_type
+        self.sees = "off"
+        if self.level == "op" or device == torch._C._get_privateuse1_backend_name():
+            self.watch = HostWatch(self.spans.current, device, self.level == "op", clock.stamp)
             self.watch.__enter__()
+            self.sees = "dispatch"
+        elif self.host_watch:
+            self.methods = MethodWatch(self.spans.current, device).install()
+            self.sees = "tensor-methods"
         self.open = True
 
     def forward_backward_done(self) -> None:
@@ -136,6 +146,9 @@ class PerfSession:
         if self.watch is not None:
             self.watch.__exit__(None, None, None)
             self.watch = None
+        if self.methods is not None:
+            self.methods.remove()
+            self.methods = None
 
     def end(self) -> None:
         """The iteration is over (after the optimizer's step): one read of the clock, one line written."""
@@ -148,7 +161,7 @@ class PerfSession:
         record = writer.iteration_record(
             iteration=self.last, rank=self.rank, world=meta._world()[1], framework=self.framework,
             clock=self._clock, begin=self.t_begin, fb_done=self.t_fb, end=self.t_end, spans=self.spans.spans,
-            calls=self.timer.calls, level=self.level, wall0=self.wall0,
+            calls=self.timer.calls, level=self.level, wall0=self.wall0, syncs_seen_by=self.sees,
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
         writer.append(self.settings.perf_dir, self.rank, record)

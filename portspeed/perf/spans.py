@@ -4,7 +4,8 @@ Why spans and not totals: a module's time includes its children's; naming where 
 each module's own (self) time, its time minus its children's, or a slowed layer would show up in every
 module above it. Spans nest on one stack: a forward pre-hook opens a forward span, the forward hook
 closes it; the first gradient reaching any of a module's outputs opens its backward span, the gradient
-of its inputs closes it (``torch.autograd.graph.register_multi_grad_hook``, mode "any"). A span still
+of its inputs closes it (a tensor hook, or ``torch.autograd.graph.register_multi_grad_hook`` in mode "any"
+for several tensors). A span still
 open when its parent closes is closed with it, and a backward span still open when autograd's engine
 finishes the backward pass ends there (a module whose inputs need no gradient: the embedding, the
 model chunk itself). A forward run while autograd's engine runs (an
@@ -59,14 +60,23 @@ class Span:
         got[1] += int(nbytes)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
 def _needing_grad(value: Any) -> list[torch.Tensor]:
-    return [t for t in _tensors(value) if t.requires_grad]
+    """The tensors of a module's arguments or output that need a gradient (a tensor, a flat tuple or list: read
+    directly, the common case; anything else through torch's pytree)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if isinstance(value, (tuple, list)) and all(v is None or isinstance(v, torch.Tensor) for v in value):
+        return [v for v in value if v is not None and v.requires_grad]
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _on_first_gradient(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """``fn()`` once, when the first of ``tensors``' gradients is computed (one tensor: a plain tensor hook,
+    cheaper than a multi-grad hook)."""
+    if len(tensors) == 1:
+        tensors[0].register_hook(lambda _grad: fn())
+    else:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: fn(), mode="any")
 
 
 def _in_backward() -> bool:
@@ -165,17 +175,18 @@ class SpanHooks:
                 return None
             holder: dict[str, Span] = {}
 
-            def begin(_grads: Any) -> None:
-                holder["span"] = self._open(path, cls, "backward")
-                self._close_at_backward_end()
+            def begin() -> None:
+                if "span" not in holder:
+                    holder["span"] = self._open(path, cls, "backward")
+                    self._close_at_backward_end()
 
-            def finish(_grads: Any) -> None:
-                opened = holder.pop("span", None)
+            def finish() -> None:
+                opened = holder.get("span")
                 if opened is not None:
                     self._close(opened)
 
-            torch.autograd.graph.register_multi_grad_hook(outputs, begin, mode="any")
+            _on_first_gradient(outputs, begin)
             if inputs:
-                torch.autograd.graph.register_multi_grad_hook(inputs, finish, mode="any")
+                _on_first_gradient(inputs, finish)
             return None
         return post

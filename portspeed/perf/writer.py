@@ -6,6 +6,7 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
 
     {"format": "portspeed-perf", "version": 1, "iteration": 3, "rank": 0, "world": 2, "framework": ...,
      "clock": "host" | "device-events" | "host-synchronized", "clock_note": "...", "level": "module",
+     "syncs_seen_by": "tensor-methods" | "dispatch" | "off",
      "layout": {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "sp": false, "ranks": {...}},
      "step_ms": 41.2, "forward_backward_ms": 30.1, "wall_start": 1764412345.1,
      "parts": [{"path": "decoder.layers.1.mlp", "class": "MLP", "phase": "forward", "calls": 2,
@@ -59,7 +60,7 @@ def _merge(into: dict[str, Any], counts: dict[str, int]) -> None:
 
 def iteration_record(*, iteration: int, rank: int, world: int, framework: str, clock: Clock, begin: Any,
                      fb_done: Any, end: Any, spans: Sequence[Span], calls: list[dict[str, Any]], level: str,
-                     wall0: float, layout: dict[str, Any]) -> dict[str, Any]:
+                     wall0: float, layout: dict[str, Any], syncs_seen_by: str = "dispatch") -> dict[str, Any]:
     """The line of one iteration: every stamp resolved in one read of the clock, spans summed per part."""
     stamps: list[Any] = [begin, fb_done, end]
     index: dict[int, int] = {}
@@ -116,6 +117,7 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
         row["self_ms"] = round(row["self_ms"], 4)
         row["collective_ms"] = round(row["collective_ms"], 4)
     return {"format": FORMAT, "version": VERSION, "iteration": iteration, "rank": rank, "world": world,
-            "framework": framework, **clock.describe(), "level": level, "layout": layout,
+            "framework": framework, **clock.describe(), "level": level, "syncs_seen_by": syncs_seen_by,
+            "layout": layout,
             "step_ms": round(step_ms, 4), "forward_backward_ms": round(fb_ms, 4), "wall_start": wall0,
             "parts": rows, "collectives": calls}
