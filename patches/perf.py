@@ -13,6 +13,8 @@ own loop (or one of those) marks iterations with ``portspeed.perf.iteration(n, m
 
 from __future__ import annotations
 
+import functools
+
 from portspeed import config
 from portspeed.patching.record import WRAP, Patch
 from portspeed.perf import collectives
@@ -30,11 +32,11 @@ def configured() -> bool:
     return bool(config.settings().perf_dir)
 
 
-def collective_patches() -> list[Patch]:
-    """The timing wrappers of every collective and point-to-point call this torch has."""
+@functools.lru_cache(maxsize=1)
+def _collective_patches() -> tuple[Patch, ...]:
     from torch.distributed import distributed_c10d as c10d
 
-    return [Patch(
+    return tuple(Patch(
         name=f"torch.distributed.{fn}.perf",
         target=f"{_MOD}:{fn}",
         kind=WRAP,
@@ -44,7 +46,13 @@ def collective_patches() -> list[Patch]:
         distribution="torch",
         versions=">=2.6",
         reason="--perf: note when this rank entered and left the collective, its bytes and what the router did.",
-    ) for fn in collectives.RECORDED if hasattr(c10d, fn)]
+    ) for fn in collectives.RECORDED if hasattr(c10d, fn))
+
+
+def collective_patches() -> list[Patch]:
+    """The timing wrappers of every collective and point-to-point call this torch has: the same records every time,
+    so the Megatron and DeepSpeed integrations of one process register one set."""
+    return list(_collective_patches())
 
 
 def for_megatron() -> list[Patch]:
