@@ -168,13 +168,21 @@ def test_a_planted_item_round_trip_is_named_with_its_count(runs: dict[str, Any])
     assert f"{n} host syncs (.item() x{n}; REF 0)" in got["cause"], got["cause"]
 
 
-def test_a_slow_rank_in_tp2_is_named_from_one_run(runs: dict[str, Any]) -> None:
-    """Rank 1 sleeping in every layer's MLP: the one run names rank 1, busy computing, and its slowest part; the
-    clean TP2 run names no slow rank."""
-    code, out, _ = compare(recording(runs, "tp2-slow-rank"))
+def test_a_slow_rank_in_tp2_is_named_from_one_run(runs: dict[str, Any], tmp_path: Path) -> None:
+    """Rank 1 sleeping in every layer's MLP: the one run names rank 1, busy computing, and its slowest part (and
+    its Chrome trace has both ranks' spans and collectives); the clean TP2 run names no slow rank."""
+    run = recording(runs, "tp2-slow-rank")
+    code, out, _ = compare(run, "--chrome", tmp_path / "trace.json")
     head = out.splitlines()[0]
     assert code == 1 and head.startswith("slow rank: rank 1 arrives last at "), out[:2000]
     assert "busy computing" in head and re.search(r"decoder\.layers\.\d\.mlp forward took", head), head
+    events = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in events if e["pid"] == rank]
+        calls = sum(len(line["collectives"]) for line in lines(run, rank))
+        assert len([e for e in mine if e["cat"] == "collective"]) == calls > 0, rank
+        assert {("decoder.layers.1.mlp", "forward"), ("decoder.layers.1.mlp", "backward")} <= {
+            (e["name"], e["cat"]) for e in mine}, rank
     code, out, _ = compare(recording(runs, "tp2"))
     assert code == 0 and out.startswith("no slow rank: "), out[:2000]
 
@@ -243,6 +251,8 @@ def test_unusable_recordings_exit_2_with_one_line(tmp_path: Path) -> None:
         assert code == 2 and not out and err.count("\n") == 1 and words in err, (args, err)
     code, out, err = compare(tmp_path / "empty", "--rtol", "1")
     assert code == 2 and "do not apply to perf recordings" in err, err
+    code, out, err = compare(bad, "--chrome", tmp_path / "trace.json")
+    assert code == 2 and not out and "is not JSON" in err and not (tmp_path / "trace.json").exists(), err
 
 
 def test_nothing_is_declared_or_installed_when_perf_is_off() -> None:

@@ -162,15 +162,24 @@ def collectives_table(run: PerfRun) -> list[str]:
     return out if len(out) > 1 else ["(no collective was recorded by every rank of its group)"]
 
 
-def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: str | None) -> int:
+def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: str | None,
+              chrome: str | None = None) -> int:
     """``compare --perf``: one folder (the slow rank) or two (REF RUN); raises PerfInputError for bad input."""
     if len(runs) not in (1, 2):
         raise PerfInputError(f"--perf takes one recording (the slow rank) or two (REF RUN), got {len(runs)}")
+    note = ""
+    if chrome:  # written first: a path that cannot be written is refused before anything is said
+        from portspeed.parity.perf_chrome import write_chrome
+
+        n = write_chrome(read_run(runs[-1]), chrome)
+        note = f"\nchrome trace of {runs[-1]}: {chrome} ({n} events; open it in Perfetto or chrome://tracing)"
     if len(runs) == 1:
         run = read_run(runs[0])
         code = perf_ranks.report(run, out)
         if json_path:
             _dump(json_path, {"slow_rank": perf_ranks.describe(run), "exit": code})
+        if note:
+            print(note, file=out)
         return code
     ref, run = read_run(runs[0]), read_run(runs[1])
     limit = THRESHOLD_POINTS if threshold is None else threshold
@@ -201,6 +210,8 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
         _dump(json_path, {"threshold": limit, "named": named, "excesses": [dict(dataclasses.asdict(e),
                                                                                 points=e.points)
                                                                            for e in excesses[:50]]})
+    if note:
+        print(note, file=out)
     return 1 if named else 0
 
 

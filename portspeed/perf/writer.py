@@ -16,7 +16,8 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
                       "reduce_op": "SUM", "module": "...", "phase": "forward", "enter": ..., "leave": ...,
                       "rewrites": {}}, ...]}
 
-``parts`` has one row per (module path, phase), summed over micro-batches and calls, plus two rows for
+``spans`` lists every call as ``[path, phase, start_ms, end_ms]`` from the iteration's start (for a Chrome
+trace: ``portspeed compare --perf RUN --chrome FILE``). ``parts`` has one row per (module path, phase), summed over micro-batches and calls, plus two rows for
 the time outside every module: ``(outside-modules)`` (phase ``forward-backward``: the schedule, the loss
 function, pipeline transfers) and ``(optimizer)`` (phase ``step``: from the schedule's return to the
 iteration's end).
@@ -108,6 +109,7 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
             top_ms += dur[i]
     step_ms, fb_ms = ms[2] - ms[0], ms[1] - ms[0]
     rows = list(parts.values())
+    timeline = [[s.path, s.phase, round(ms[a], 4), round(ms[b], 4)] for s, (a, b) in zip(spans, where)]
     for path, phase, took in ((OUTSIDE, "forward-backward", max(0.0, fb_ms - top_ms)),
                               (OPTIMIZER, "step", max(0.0, ms[2] - ms[1]))):
         rows.append({"path": path, "class": "", "phase": phase, "calls": 1, "total_ms": took, "self_ms": took,
@@ -120,4 +122,4 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
             "framework": framework, **clock.describe(), "level": level, "syncs_seen_by": syncs_seen_by,
             "layout": layout,
             "step_ms": round(step_ms, 4), "forward_backward_ms": round(fb_ms, 4), "wall_start": wall0,
-            "parts": rows, "collectives": calls}
+            "parts": rows, "collectives": calls, "spans": timeline}
