@@ -4,11 +4,11 @@
   wrapper (``portspeed.probe.collectives.recorded``) plugged into the perf recording's own slot
   (``portspeed.perf.collectives.SLOT``): outside the router and the flight recorder (``ORDER``), so
   each call is seen as the caller made it; straight through unless an iteration is being timed.
-- Megatron's schedule and optimizers (``patches/megatron/perf.py``): where an iteration begins and ends.
+- Megatron's schedule and optimizers (``patches/megatron/perf.py``), DeepSpeed's engine and the Hugging
+  Face Trainer (``patches/perf_loops.py``): where an iteration begins and ends.
 
-``for_megatron()`` is what the Megatron integration takes; ``all_patches()`` the whole set (`portspeed
-patches` lists it as ``perf``). DeepSpeed's engine and the Hugging Face Trainer are not marked yet: an
-own loop (or one of those) marks iterations with ``portspeed.perf.iteration(n, model)``.
+The integrations take the parts for their framework: ``for_megatron()``, ``for_deepspeed()``;
+``all_patches()`` is the whole set (`portspeed patches` lists it as ``perf``).
 """
 
 from __future__ import annotations
@@ -56,19 +56,29 @@ def collective_patches() -> list[Patch]:
 
 
 def for_megatron() -> list[Patch]:
-    """Megatron's schedule and optimizers and the collectives (PORTSPEED_PERF set), else []."""
+    """Megatron's schedule and optimizers, the HF Trainer and the collectives (PORTSPEED_PERF set), else []."""
     if not configured():
         return []
+    from portspeed.patches import perf_loops
     from portspeed.patches.megatron.perf import perf_patches
 
-    return [*collective_patches(), *perf_patches()]
+    return [*collective_patches(), *perf_patches(), *perf_loops.trainer_patches()]
 
 
 def for_deepspeed() -> list[Patch]:
-    """The collectives (PORTSPEED_PERF set), else []; DeepSpeed's iterations are marked by the documented call."""
-    return collective_patches() if configured() else []
+    """DeepSpeed's engine, the HF Trainer and the collectives (PORTSPEED_PERF set), else []."""
+    if not configured():
+        return []
+    from portspeed.patches import perf_loops
+
+    return [*collective_patches(), *perf_loops.deepspeed_patches(), *perf_loops.trainer_patches()]
 
 
 def all_patches() -> list[Patch]:
     """Every perf patch (PORTSPEED_PERF set), else []."""
-    return for_megatron()
+    if not configured():
+        return []
+    from portspeed.patches import perf_loops
+    from portspeed.patches.megatron.perf import perf_patches
+
+    return [*collective_patches(), *perf_patches(), *perf_loops.deepspeed_patches(), *perf_loops.trainer_patches()]
