@@ -300,3 +300,38 @@ def test_an_own_loop_marked_with_the_documented_call_is_timed(tmp_path: Path) ->
     for parts in got:
         assert {"0 forward", "0 backward", "2 forward", "2 backward", "(model) forward"} <= set(parts), parts
         assert parts["2 forward"] == {".item()": 1} and parts["0 forward"] == {}, parts
+
+
+_LOOP = """
+import sys, torch
+import portspeed.perf
+
+class Heavy(torch.nn.Linear):
+    def forward(self, x):
+        for _ in range(int(sys.argv[1])):
+            x = torch.mm(x, self.weight) / 8
+        return super().forward(x)
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), Heavy(64, 64))
+for n in range(1, 6):
+    with portspeed.perf.iteration(n, model):
+        model(torch.randn(256, 64)).square().sum().backward()
+"""
+
+
+def test_at_op_level_the_operator_that_grew_is_named(tmp_path: Path) -> None:
+    """An own loop at --perf-level op, one module doing 40 extra matrix products on RUN: that module and the
+    operator aten::mm are in the first line (the model's output is that module's: its backward stays its own)."""
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+    for name, extra in (("ref", "0"), ("run", "40")):
+        run_python([str(script), extra], timeout=120, drop=("PORTSPEED_*",), env={
+            "PORTSPEED_PERF": str(tmp_path / name), "PORTSPEED_PERF_LEVEL": "op", "PORTSPEED_PERF_ITERATIONS": "2:5",
+            "PORTSPEED_ACCELERATOR": "cpu"}).check()
+    code, out, _ = compare(tmp_path / "ref", tmp_path / "run")
+    got = first(out)
+    # the backward of 40 products is 80 of them: it grew most, its forward next
+    assert code == 1 and (got["module"], got["phase"], got["op"]) == ("2", "backward", "aten::mm"), out[:2000]
+    assert re.search(r"^ +\+[\d.]+ points .* 2 forward$", out, re.M), out[:2000]
+    assert {line["syncs_seen_by"] for line in lines(tmp_path / "run")} == {"dispatch"}

@@ -131,6 +131,24 @@ def _part(e: Excess) -> str:
     return f"{e.path} {e.phase}"
 
 
+def slowest_op(e: Excess, ref: PerfRun, run: PerfRun) -> str | None:
+    """At op level on both sides: the operator inside the part whose share of the step grew most (None: no op
+    times, or none grew)."""
+    key = (e.path, e.phase)
+    line = run.lines[(e.iteration, e.rank)]
+    ops = run.parts(e.iteration, e.rank).get(key, {}).get("ops") or {}
+    if not ops or not any(r.get("ops") for (i, q) in ref.lines for r in ref.parts(i, q).values()):
+        return None
+    base: dict[str, float] = {}
+    for op in ops:
+        base[op] = median([100.0 * float((ref.parts(i, q).get(key, {}).get("ops") or {}).get(op, [0, 0.0])[1])
+                           / float(ref_line["step_ms"]) for (i, q), ref_line in ref.lines.items()])
+    step = float(line["step_ms"])
+    grew = {op: 100.0 * float(v[1]) / step - base[op] for op, v in ops.items()}
+    op = max(grew, key=lambda k: grew[k])
+    return op if grew[op] > 0 else None
+
+
 def bus_factor(op: str, n: int) -> float:
     """nccl-tests' factor from algorithm to bus bandwidth for ``op`` on ``n`` ranks."""
     if n < 2:
@@ -188,7 +206,9 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     named = top is not None and top.points > limit
     if named:
         assert top is not None
-        print(f"slowest part: iteration {top.iteration}, {_part(top)}, rank {top.rank}: {top.run_share:.1f}% of "
+        op = slowest_op(top, ref, run)
+        print(f"slowest part: iteration {top.iteration}, {_part(top)}{f' op {op}' if op else ''}, rank {top.rank}: "
+              f"{top.run_share:.1f}% of "
               f"the step on RUN vs {top.ref_share:.1f}% on REF (+{top.points:.1f} points, {top.ms:.1f} ms): "
               f"{cause(top, ref, run)}", file=out)
     else:

@@ -5,7 +5,8 @@ each module's own (self) time, its time minus its children's, or a slowed layer 
 module above it. Spans nest on one stack: a forward pre-hook opens a forward span, the forward hook
 closes it; the first gradient reaching any of a module's outputs opens its backward span, the gradient
 of its inputs closes it (a tensor hook, or ``torch.autograd.graph.register_multi_grad_hook`` in mode "any"
-for several tensors). A span still
+for several tensors). A module whose output is its last child's (the model and its last layer) gets its
+gradient hook called after the child's, at the same moment: its span is put under the child's. A span still
 open when its parent closes is closed with it, and a backward span still open when autograd's engine
 finishes the backward pass ends there (a module whose inputs need no gradient: the embedding, the
 model chunk itself). A forward run while autograd's engine runs (an
@@ -79,6 +80,11 @@ def _on_first_gradient(tensors: list[torch.Tensor], fn: Callable[[], None]) -> N
         torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: fn(), mode="any")
 
 
+def _inside(path: str, outer: str) -> bool:
+    """Whether module ``path`` lies inside module ``outer`` (the model chunk holds every module)."""
+    return outer == ROOT and path != ROOT or path.startswith(outer + ".")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -119,11 +125,23 @@ class SpanHooks:
 
     # ------------------------------------------------------------ spans
     def _open(self, path: str, cls: str, phase: str) -> Span:
-        parent = self.stack[-1] if self.stack else None
-        span = Span(path, cls, phase, self.clock.stamp(), parent=parent)
+        stamp = self.clock.stamp()
+        at = len(self.stack)
+        if phase == "backward":  # a module and its last child share an output: the child's hook fired first
+            while at and self.stack[at - 1].phase == "backward" and _inside(self.stack[at - 1].path, path):
+                at -= 1
+        parent = self.stack[at - 1] if at else None
+        span = Span(path, cls, phase, stamp, parent=parent)
+        if at < len(self.stack):  # the outer module goes under the spans its own gradient opened
+            inner = self.stack[at]
+            span.start = inner.start
+            if parent is not None:
+                parent.children.remove(inner)
+            inner.parent = span
+            span.children.append(inner)
         if parent is not None:
             parent.children.append(span)
-        self.stack.append(span)
+        self.stack.insert(at, span)
         self.spans.append(span)
         return span
 
