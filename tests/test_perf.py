@@ -322,7 +322,8 @@ for n in range(1, 6):
 
 def test_at_op_level_the_operator_that_grew_is_named(tmp_path: Path) -> None:
     """An own loop at --perf-level op, one module doing 40 extra matrix products on RUN: that module and the
-    operator aten::mm are in the first line (the model's output is that module's: its backward stays its own)."""
+    operator aten::mm are in the first line, and no other module grew (the model's output is that module's: its
+    backward stays its own)."""
     script = tmp_path / "loop.py"
     script.write_text(_LOOP)
     for name, extra in (("ref", "0"), ("run", "40")):
@@ -331,7 +332,9 @@ def test_at_op_level_the_operator_that_grew_is_named(tmp_path: Path) -> None:
             "PORTSPEED_ACCELERATOR": "cpu"}).check()
     code, out, _ = compare(tmp_path / "ref", tmp_path / "run")
     got = first(out)
-    # the backward of 40 products is 80 of them: it grew most, its forward next
-    assert code == 1 and (got["module"], got["phase"], got["op"]) == ("2", "backward", "aten::mm"), out[:2000]
-    assert re.search(r"^ +\+[\d.]+ points .* 2 forward$", out, re.M), out[:2000]
+    # the products run forward and again (twice) backward: either phase may have grown most on a loaded machine
+    assert code == 1 and (got["module"], got["op"]) == ("2", "aten::mm") and got["phase"] in ("forward", "backward")
+    others = [float(m[1]) for m in re.finditer(r"^ +\+([\d.]+) points .* (?:0|1|\(model\)) (?:forward|backward)$", out,
+                                                  re.M)]
+    assert all(p < 10 for p in others), out[:2000]  # no other module beyond the threshold
     assert {line["syncs_seen_by"] for line in lines(tmp_path / "run")} == {"dispatch"}

@@ -4,9 +4,9 @@ Why shares and not times: REF and RUN may be other devices, other layouts, other
 absolute times are not comparable, but the share of the step a part takes is. A part is one module's
 own time (its children's taken out) in one phase, under the probe's canonical paths, so a TP2 run
 names a module as a TP1 run does, plus ``(outside-modules)`` and ``(optimizer)``. For each rank of RUN
-and each part, the excess is RUN's share minus REF's (REF: the median over its iterations and ranks),
-taken at the median over RUN's timed iterations, so one hiccup of a shared machine does not name a part;
-the iteration named is the one where that median falls.
+and each part, the excess is RUN's share, at the median over RUN's timed iterations (one hiccup names
+nothing), minus the highest share REF showed in any of its iterations and ranks (what REF itself varies by
+is not an excess); the iteration named is the one where RUN's median falls.
 
 First line::
 
@@ -31,8 +31,8 @@ from portspeed.parity.perf_format import PerfInputError, PerfRun, median, read_r
 
 __all__ = ["THRESHOLD_POINTS", "Excess", "compare_runs", "main_perf", "bus_factor"]
 
-#: a part is named when its share of the step grew by more than this many percentage points: two clean runs of
-#: the example trainer on the shared 2-core machine reached +4.7 (docs/performance.md, "The threshold")
+#: a part is named when its share of the step grew by more than this many percentage points beyond REF's highest
+#: (docs/performance.md, "The threshold": what clean pairs of the example trainer reached)
 THRESHOLD_POINTS = 10.0
 
 
@@ -54,11 +54,11 @@ class Excess:
 
 
 def _ref_shares(ref: PerfRun) -> dict[tuple[str, str], float]:
+    """Each part's highest share of the step in any timed iteration and rank of REF: RUN is slower only beyond
+    what REF itself showed (a shared machine moves a part's share by several points from one iteration to the
+    next, and more between two processes)."""
     keys = {k for it, r in ref.lines for k in ref.parts(it, r)}
-    out = {}
-    for key in keys:
-        out[key] = median([share(line, ref.parts(it, r).get(key)) for (it, r), line in ref.lines.items()])
-    return out
+    return {key: max(share(line, ref.parts(it, r).get(key)) for (it, r), line in ref.lines.items()) for key in keys}
 
 
 def compare_runs(ref: PerfRun, run: PerfRun) -> list[Excess]:
@@ -218,7 +218,7 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     print(f"REF {ref.folder} (iterations {_span(ref.iterations)}, ranks {len(ref.ranks)}, clock "
           f"{'/'.join(ref.clocks)}); RUN {run.folder} (iterations {_span(run.iterations)}, ranks {len(run.ranks)}, "
           f"clock {'/'.join(run.clocks)}); threshold {limit:g} points", file=out)
-    print("\nlargest excesses (share of the step, median iteration):", file=out)
+    print("\nlargest excesses (RUN's share of the step at its median iteration vs REF's highest):", file=out)
     for e in [e for e in excesses if e.points >= 0.05][:10] or excesses[:1]:
         print(f"  {e.points:+6.1f} points  {e.run_share:5.1f}% vs {e.ref_share:5.1f}%  {e.ms:+8.2f} ms  rank {e.rank}  "
               f"iteration {e.iteration}  {_part(e)}", file=out)
