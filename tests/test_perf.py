@@ -338,3 +338,32 @@ def test_at_op_level_the_operator_that_grew_is_named(tmp_path: Path) -> None:
                                                   re.M)]
     assert all(p < 10 for p in others), out[:2000]  # no other module beyond the threshold
     assert {line["syncs_seen_by"] for line in lines(tmp_path / "run")} == {"dispatch"}
+
+
+def _line(iteration: int, parts: list[dict[str, Any]], calls: list[dict[str, Any]] | None = None) -> str:
+    rows = [{"class": "", "calls": 1, "total_ms": p["self_ms"], "syncs": {}, "copies": {}, "fallbacks": {},
+             "collective_ms": 0.0, "collectives": 0, **p} for p in parts]
+    return json.dumps({"format": "portspeed-perf", "version": 1, "iteration": iteration, "rank": 0, "world": 1,
+                       "clock": "host", "step_ms": sum(p["self_ms"] for p in parts), "parts": rows,
+                       "collectives": calls or []}) + "\n"
+
+
+def test_the_cause_names_kernels_copies_and_rewrites_seen_inside(tmp_path: Path) -> None:
+    """Written recordings (no run): the part that grew carries a reference kernel, a device-to-host copy and an
+    AVG the router rewrote; the first line says each, with REF's kernels beside."""
+    fast = {"path": "decoder.layers.0.self_attention.linear_qkv", "phase": "forward", "self_ms": 10.0,
+            "kernels": {"rms_norm torch": 2}}
+    rest = {"path": "decoder", "phase": "forward", "self_ms": 90.0}
+    slow = dict(fast, self_ms=60.0, kernels={"rms_norm reference": 2}, copies={"d2h": [1, 4096]})
+    call = {"op": "all_reduce", "group": [0], "seq": 0, "bytes": 4096, "dtype": "float32", "module": fast["path"],
+            "phase": "forward", "enter": 1.0, "leave": 1.001, "rewrites": {"avg_as_sum": 1}}
+    for name, part in (("ref", fast), ("run", slow)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.jsonl").write_text("".join(_line(i, [part, rest], [call]) for i in (2, 3, 4)))
+    code, out, _ = compare(tmp_path / "ref", tmp_path / "run")
+    got = first(out)
+    assert code == 1 and (got["module"], got["phase"]) == (fast["path"], "forward"), out
+    assert float(got["run"]) == pytest.approx(40.0, abs=0.05) and float(got["ref"]) == pytest.approx(10.0, abs=0.05)
+    for said in ("portable TE kernels not as on REF (rms_norm reference x2; REF rms_norm torch)",
+                 "1 d2h copies (4.0 KiB)", "the router rewrote collectives (all_reduce avg_as_sum x1)"):
+        assert said in got["cause"], got["cause"]

@@ -14,8 +14,9 @@ First line::
     (+P points, T ms): <cause>
 
 The cause is what was seen inside that part on RUN (and how often on REF): host syncs with counts,
-host<->device copies, ops run through the CPU fallback, collectives the router rewrote, and waiting for
-other ranks (with the rank that arrived last); when none of those, its own work is slower. Then the ten
+host<->device copies, ops run through the CPU fallback, the portable TE's kernels run in another
+implementation than on REF (or the reference one), collectives the router rewrote, and waiting for other
+ranks (with the rank that arrived last); when none of those, its own work is slower. Then the ten
 largest excesses and the collectives with their achieved bus bandwidth (nccl-tests' factors). Exit 0
 when no part exceeds the threshold (printed), 1 when a part is named, 2 when an input cannot be used.
 """
@@ -103,6 +104,12 @@ def cause(e: Excess, ref: PerfRun, run: PerfRun) -> str:
     if fallbacks:
         said.append(f"{sum(fallbacks.values())} ops ran through the CPU fallback, no kernel for the device "
                     f"({_counts(fallbacks)}; REF {_ref_count(ref, key, 'fallbacks')})")
+    kernels = part.get("kernels") or {}
+    ref_kernels = {k for i, q in ref.lines for k in (ref.parts(i, q).get(key, {}).get("kernels") or {})}
+    unlike = {k: n for k, n in kernels.items() if k not in ref_kernels or k.endswith(" reference")}
+    if unlike:
+        said.append(f"portable TE kernels not as on REF ({_counts(unlike)}; REF "
+                    f"{', '.join(sorted(ref_kernels)) or 'none'})")
     line = run.lines[(e.iteration, e.rank)]
     calls = [c for c in line.get("collectives", []) if c.get("module") == e.path and c.get("phase") == e.phase]
     rewrites: dict[str, int] = {}

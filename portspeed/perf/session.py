@@ -10,7 +10,8 @@ declared: ``patches/perf.py``).
 A timed iteration (``A <= n <= B`` of ``--perf-iterations`` on a rank of ``--perf-ranks``) gets, from
 ``begin`` to ``forward_backward_done``: the module spans' hooks (``spans``), what counts host syncs and
 copies (at module level the Tensor methods, ``syncs``; at op level or on a PrivateUse1 device, whose CPU
-fallbacks are counted too, the dispatch mode, ``dispatch``), the collective timer (``collectives``). Nothing
+fallbacks are counted too, the dispatch mode, ``dispatch``), the collective timer (``collectives``), the
+portable TE's kernel calls with the implementation that ran (``te_kernels``). Nothing
 is synchronized per module; ``end`` reads the clock once and appends one line to
 ``DIR/rank<R>.jsonl`` (``writer``).
 """
@@ -25,7 +26,7 @@ import torch
 
 from portspeed import config
 from portspeed.errors import ConfigError
-from portspeed.perf import collectives, writer
+from portspeed.perf import collectives, te_kernels, writer
 from portspeed.perf.clock import Clock, make_clock
 from portspeed.perf.dispatch import HostWatch
 from portspeed.perf.spans import SpanHooks
@@ -122,6 +123,7 @@ class PerfSession:
         self.spans = SpanHooks(chunks, table, clock).install()
         self.timer = collectives.CollectiveTimer(self.spans.current)
         collectives.SLOT.target = self.timer
+        self._stop_kernels = te_kernels.watch(self.spans.current)
         self.watch: HostWatch | None = None
         self.methods: MethodWatch | None = None
         device = get_accelerator().device_type
@@ -143,6 +145,7 @@ class PerfSession:
         self.spans.close_all()
         self.spans.remove()
         collectives.SLOT.target = None
+        self._stop_kernels()
         if self.watch is not None:
             self.watch.__exit__(None, None, None)
             self.watch = None

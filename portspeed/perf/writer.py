@@ -11,7 +11,8 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
      "step_ms": 41.2, "forward_backward_ms": 30.1, "wall_start": 1764412345.1,
      "parts": [{"path": "decoder.layers.1.mlp", "class": "MLP", "phase": "forward", "calls": 2,
                 "total_ms": 3.1, "self_ms": 1.2, "syncs": {".item()": 8}, "copies": {"d2h": [1, 4096]},
-                "fallbacks": {"addmm": 4}, "collective_ms": 0.0, "ops": {"aten::mm": [4, 0.8]}}, ...],
+                "fallbacks": {"addmm": 4}, "collective_ms": 0.0, "ops": {"aten::mm": [4, 0.8]},
+                "kernels": {"rms_norm reference": 2}}, ...],
      "collectives": [{"op": "all_reduce", "group": [0, 1], "seq": 0, "bytes": 4096, "dtype": "float32",
                       "reduce_op": "SUM", "module": "...", "phase": "forward", "enter": ..., "leave": ...,
                       "rewrites": {}}, ...]}
@@ -90,6 +91,8 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
         row["self_ms"] += max(0.0, dur[i] - children)
         _merge(row["syncs"], s.counts.get("syncs", {}))
         _merge(row["fallbacks"], s.counts.get("fallbacks", {}))
+        if s.counts.get("kernels"):
+            _merge(row.setdefault("kernels", {}), s.counts["kernels"])
         for kind, (n, nbytes) in s.copies.items():
             got = row["copies"].setdefault(kind, [0, 0])
             got[0] += n
