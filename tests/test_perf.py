@@ -142,6 +142,7 @@ def test_a_recording_times_every_layer_forward_and_backward_on_the_host_clock(ru
         assert own == pytest.approx(line["step_ms"], rel=0.02), (own, line["step_ms"])
         mlp = next(p for p in line["parts"] if p["path"] == "decoder.layers.1.mlp" and p["phase"] == "forward")
         assert mlp["calls"] == MICRO_BATCHES and not mlp["syncs"], mlp
+        assert not any("peak_bytes" in p for p in line["parts"])  # the CPU adapter keeps no allocator statistics
 
 
 # ------------------------------------------------------------------ planted slowness, named
@@ -150,9 +151,14 @@ def test_a_recording_times_every_layer_forward_and_backward_on_the_host_clock(ru
 @pytest.mark.testdev
 def test_a_module_slowed_on_the_test_device_is_named_against_the_cpu(runs: dict[str, Any]) -> None:
     """Layer 1's MLP sleeping 40 ms a forward on the test device, against the clean CPU run: that module, forward,
-    named; the test device's timing events are the clock, and its CPU-fallback ops are counted."""
+    named; the test device's timing events are the clock, its CPU-fallback ops are counted, and each module has
+    its peak device memory."""
     run = recording(runs, "testdev-slow")
     assert {(line["clock"], line["syncs_seen_by"]) for line in lines(run)} == {("device-events", "dispatch")}
+    for line in lines(run):  # the device keeps allocator statistics: a peak per module, an outer one no lower
+        peak = {(p["path"], p["phase"]): p.get("peak_bytes") for p in line["parts"]}
+        chain = [peak[(m, "forward")] for m in ("decoder", "decoder.layers.1", "decoder.layers.1.mlp")]
+        assert all(isinstance(b, int) and b > 0 for b in chain) and chain == sorted(chain, reverse=True), chain
     code, out, _ = compare(recording(runs, "clean-a"), run)
     got = first(out)
     assert code == 1 and (got["module"], got["phase"], got["rank"]) == ("decoder.layers.1.mlp", "forward", "0"), out

@@ -69,6 +69,7 @@ class PerfSession:
         self.open = False
         self._tables: dict[tuple[int, ...], ModuleTable] = {}
         self._clock: Clock | None = None
+        self._memory: Any = None  # (read, reset) of the device's peak counter; () where it has none
         self._checked = False
         #: host syncs and copies are watched (the Tensor methods at module level, the dispatch mode at op level or
         #: on a PrivateUse1 device); a benchmark turns it off to measure the spans alone (benchmarks/bench_perf.py)
@@ -120,7 +121,9 @@ class PerfSession:
         self.wall0 = time.time()
         self.t_begin = clock.stamp()
         self.t_fb = self.t_end = None
-        self.spans = SpanHooks(chunks, table, clock).install()
+        if self._memory is None:
+            self._memory = _memory_counter()
+        self.spans = SpanHooks(chunks, table, clock, self._memory or None).install()
         self.timer = collectives.CollectiveTimer(self.spans.current)
         collectives.SLOT.target = self.timer
         self._stop_kernels = te_kernels.watch(self.spans.current)
@@ -168,6 +171,22 @@ class PerfSession:
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
         writer.append(self.settings.perf_dir, self.rank, record)
+
+
+def _memory_counter() -> Any:
+    """The active adapter's peak-memory counter as (read, reset), or () where it keeps none (the CPU adapter, an
+    adapter whose statistics fail)."""
+    from portspeed import get_accelerator
+
+    acc = get_accelerator()
+    if getattr(acc, "device_is_host", False):
+        return ()
+    try:
+        acc.max_memory_allocated()
+        acc.reset_peak_memory_stats()
+    except Exception:  # no allocator statistics on this device
+        return ()
+    return (acc.max_memory_allocated, acc.reset_peak_memory_stats)
 
 
 def _pp() -> int:

@@ -12,6 +12,12 @@ finishes the backward pass ends there (a module whose inputs need no gradient: t
 model chunk itself). A forward run while autograd's engine runs (an
 activation recompute) is timed as part of the backward, where its cost lands.
 
+Peak device memory: where the adapter keeps allocator statistics (not the CPU adapter), every boundary
+reads the device's peak counter and resets it, so the peak of each stretch between two boundaries goes to
+the innermost span open then, and a span's peak is the highest of its own stretches and its children's.
+The reset is a side effect a script can see: in a timed iteration, ``max_memory_allocated()`` is the peak
+since the last module boundary (docs/performance.md).
+
 The paths are the probe's (``portspeed.probe.modules.ModuleTable``: wrappers stripped, global layer
 and expert numbers), so a TP2 or PP2 run names a module as a one-rank run does; the model chunk itself
 is ``(model)``. Hooks are installed for one iteration and removed at its end; they only stamp the clock.
@@ -50,6 +56,7 @@ class Span:
     copies: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # d2h / h2d / d2d -> [count, bytes]
     ops: list[tuple[str, Any, Any]] = dataclasses.field(default_factory=list)  # op level: (op, start, end)
     collectives: list[int] = dataclasses.field(default_factory=list)  # indexes into the iteration's collectives
+    peak: int = -1  # the device's peak allocated bytes while it ran (children included); -1: not measured
 
     def count(self, kind: str, name: str) -> None:
         table = self.counts.setdefault(kind, {})
@@ -92,8 +99,10 @@ def _in_backward() -> bool:
 class SpanHooks:
     """The hooks of one iteration; ``spans`` in the order they opened, ``current()`` the innermost open one."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], table: ModuleTable, clock: Clock) -> None:
+    def __init__(self, chunks: Sequence[torch.nn.Module], table: ModuleTable, clock: Clock,
+                 memory: tuple[Callable[[], int], Callable[[], None]] | None = None) -> None:
         self.clock = clock
+        self._memory = memory  # (read the device's peak counter, reset it), or None: no peak memory
         self.stack: list[Span] = []
         self.spans: list[Span] = []
         self._handles: list[Any] = []
@@ -123,8 +132,24 @@ class SpanHooks:
         if self.stack:
             self._close(self.stack[0], self.clock.stamp())
 
+    def _peak(self) -> None:
+        """At a boundary: the device's peak since the last one goes to the innermost open span, the counter reset."""
+        if self._memory is None:
+            return
+        read, reset = self._memory
+        peak = int(read())
+        reset()
+        if self.stack and peak > self.stack[-1].peak:
+            self.stack[-1].peak = peak
+
+    def _ended(self, span: Span) -> None:
+        """``span`` closed: its peak is its parent's too."""
+        if span.parent is not None and span.peak > span.parent.peak:
+            span.parent.peak = span.peak
+
     # ------------------------------------------------------------ spans
     def _open(self, path: str, cls: str, phase: str) -> Span:
+        self._peak()
         stamp = self.clock.stamp()
         at = len(self.stack)
         if phase == "backward":  # a module and its last child share an output: the child's hook fired first
@@ -148,10 +173,12 @@ class SpanHooks:
     def _close(self, span: Span, stamp: Any = None) -> None:
         if span.end is not None or span not in self.stack:
             return
+        self._peak()
         stamp = self.clock.stamp() if stamp is None else stamp
         while self.stack:
             top = self.stack.pop()
             top.end = stamp
+            self._ended(top)
             if top is span:
                 return
 
@@ -166,8 +193,12 @@ class SpanHooks:
         def done() -> None:
             stamp = None
             while self.stack and self.stack[-1].phase == "backward":
-                stamp = self.clock.stamp() if stamp is None else stamp
-                self.stack.pop().end = stamp
+                if stamp is None:
+                    self._peak()
+                    stamp = self.clock.stamp()
+                top = self.stack.pop()
+                top.end = stamp
+                self._ended(top)
 
         torch.autograd.Variable._execution_engine.queue_callback(done)
 

@@ -12,7 +12,7 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
      "parts": [{"path": "decoder.layers.1.mlp", "class": "MLP", "phase": "forward", "calls": 2,
                 "total_ms": 3.1, "self_ms": 1.2, "syncs": {".item()": 8}, "copies": {"d2h": [1, 4096]},
                 "fallbacks": {"addmm": 4}, "collective_ms": 0.0, "ops": {"aten::mm": [4, 0.8]},
-                "kernels": {"rms_norm reference": 2}}, ...],
+                "kernels": {"rms_norm reference": 2}, "peak_bytes": 1048576}, ...],
      "collectives": [{"op": "all_reduce", "group": [0, 1], "seq": 0, "bytes": 4096, "dtype": "float32",
                       "reduce_op": "SUM", "module": "...", "phase": "forward", "enter": ..., "leave": ...,
                       "rewrites": {}}, ...]}
@@ -87,6 +87,8 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
                                                    "fallbacks": {}, "collective_ms": 0.0, "collectives": 0})
         children = sum(dur[own[id(c)]] for c in s.children)
         row["calls"] += 1
+        if s.peak >= 0:
+            row["peak_bytes"] = max(row.get("peak_bytes", 0), s.peak)
         row["total_ms"] += dur[i]
         row["self_ms"] += max(0.0, dur[i] - children)
         _merge(row["syncs"], s.counts.get("syncs", {}))
