@@ -371,5 +371,34 @@ def test_the_cause_names_kernels_copies_and_rewrites_seen_inside(tmp_path: Path)
     assert code == 1 and (got["module"], got["phase"]) == (fast["path"], "forward"), out
     assert float(got["run"]) == pytest.approx(40.0, abs=0.05) and float(got["ref"]) == pytest.approx(10.0, abs=0.05)
     for said in ("portable TE kernels not as on REF (rms_norm reference x2; REF rms_norm torch)",
-                 "1 d2h copies (4.0 KiB)", "the router rewrote collectives (all_reduce avg_as_sum x1)"):
+                 "1 d2h copies (4.0 KiB)", "the router rewrote collectives (all_reduce avg_as_sum x1), 1.0 ms in them"):
         assert said in got["cause"], got["cause"]
+
+
+def test_a_device_without_timing_events_gets_the_host_clock_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter whose events fail: the host clock, the device synchronized at the iteration's start and end
+    only (never per stamp), and the reason in the line's clock note."""
+    import portspeed
+    from portspeed.perf.clock import make_clock
+
+    syncs: list[int] = []
+
+    class NoEvents:
+        device_is_host = False
+
+        def Event(self, **kwargs: Any) -> Any:  # noqa: N802
+            raise NotImplementedError("this runtime has no events")
+
+        def synchronize(self) -> None:
+            syncs.append(1)
+
+    monkeypatch.setattr(portspeed, "get_accelerator", lambda: NoEvents())
+    clock = make_clock()
+    clock.start()
+    stamps = [clock.stamp() for _ in range(5)]
+    assert len(syncs) == 1
+    ms = clock.resolve(stamps)
+    assert len(syncs) == 2 and ms[0] == 0.0 and ms == sorted(ms)
+    said = clock.describe()
+    assert said["clock"] == "host-synchronized" and "no timing events (NotImplementedError: this runtime has no " \
+        "events)" in said["clock_note"], said

@@ -113,11 +113,14 @@ def cause(e: Excess, ref: PerfRun, run: PerfRun) -> str:
     line = run.lines[(e.iteration, e.rank)]
     calls = [c for c in line.get("collectives", []) if c.get("module") == e.path and c.get("phase") == e.phase]
     rewrites: dict[str, int] = {}
+    took = 0.0
     for c in calls:
         for how, n in (c.get("rewrites") or {}).items():
             rewrites[f"{c['op']} {how}"] = rewrites.get(f"{c['op']} {how}", 0) + n
+        if c.get("rewrites") and "leave" in c:
+            took += (c["leave"] - c["enter"]) * 1e3
     if rewrites:
-        said.append(f"the router rewrote collectives ({_counts(rewrites)})")
+        said.append(f"the router rewrote collectives ({_counts(rewrites)}), {took:.1f} ms in them")
     matches = [m for m in run.matches(e.iteration) if e.rank in m.calls
                and m.calls[e.rank].get("module") == e.path and m.calls[e.rank].get("phase") == e.phase]
     waited = sum(m.wait_ms(e.rank) for m in matches)
