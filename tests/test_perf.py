@@ -233,6 +233,23 @@ def test_a_bad_perf_switch_exits_2_with_one_line(argv: list[str], words: list[st
     assert not started and not (tmp_path / "rec").exists()
 
 
+@pytest.mark.parametrize("env,words", [
+    ({"PORTSPEED_PERF_LEVEL": "op"}, "PORTSPEED_PERF_LEVEL is set but PORTSPEED_PERF is not; give the folder it "
+                                     "writes (portspeed run --perf DIR)"),
+    ({"PORTSPEED_PERF": "{tmp}", "PORTSPEED_PERF_LEVEL": "deep"}, "PORTSPEED_PERF_LEVEL='deep' is not a perf level"),
+    ({"PORTSPEED_PERF": "{tmp}", "PORTSPEED_PERF_ITERATIONS": "3:1"}, "PORTSPEED_PERF_ITERATIONS='3:1' is not a range"),
+], ids=["companion-alone", "level", "iterations"])
+def test_bad_perf_settings_under_torchrun_are_refused_in_one_line(env: dict[str, str], words: str,
+                                                                  tmp_path: Path) -> None:
+    """What a plain torchrun launch's ranks read: refused at the settings' reading, naming the variable."""
+    from portspeed import config
+    from portspeed.errors import ConfigError
+
+    with pytest.raises(ConfigError) as got:
+        config.Settings.from_env({k: v.format(tmp=tmp_path) for k, v in env.items()})
+    assert words in str(got.value) and "\n" not in str(got.value), got.value
+
+
 def test_a_folder_holding_a_recording_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture) -> None:
     """An earlier recording is never appended to: `portspeed run --perf DIR` names it and starts nothing."""
