@@ -94,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "is an average instead of a sum in iteration ITER (default 1); needs --tp >= 2")
     p.add_argument("--plant-nan", default=None, metavar="ITER:LAYER",
                    help="TEST-ONLY: one element of decoder layer LAYER's output becomes NaN in iteration ITER")
+    p.add_argument("--plant-slow", default=None, metavar="LAYER:MS[:RANK]",
+                   help="TEST-ONLY: decoder layer LAYER's MLP forward ('*': every layer's) sleeps MS milliseconds (on "
+                        "global rank RANK only)")
+    p.add_argument("--plant-item", default=None, metavar="LAYER:COUNT",
+                   help="TEST-ONLY: decoder layer LAYER's MLP forward makes COUNT .item() host round trips")
     args = p.parse_args(argv)
     check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     return args
@@ -190,7 +195,8 @@ def check_model_args(args: argparse.Namespace, fail: Callable[[str], None]) -> N
 
 def check_plants(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
     """The TEST-ONLY planted faults: their arguments parsed (``args.plant_*_at``), one plant at a time."""
-    given = [f for f in ("plant_divergence", "plant_reduce_avg", "plant_nan") if getattr(args, f) is not None]
+    given = [f for f in ("plant_divergence", "plant_reduce_avg", "plant_nan", "plant_slow", "plant_item")
+             if getattr(args, f) is not None]
     if len(given) > 1:
         fail(f"TEST-ONLY plants go one at a time; got {', '.join('--' + f.replace('_', '-') for f in given)}")
     last = args.num_layers - 1
@@ -220,3 +226,28 @@ def check_plants(args: argparse.Namespace, fail: Callable[[str], None]) -> None:
         if not 0 <= layer <= last or it < 1:
             fail(f"--plant-nan {args.plant_nan!r}: ITER >= 1, LAYER in 0..{last}")
         args.plant_nan_at = (it, layer)
+    args.plant_slow_at = args.plant_item_at = None
+    if args.plant_slow is not None:
+        parts = args.plant_slow.split(":")
+        try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            layer, ms = (None if parts[0] == "*" else int(parts[0])), float(parts[1])
+            rank = int(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            fail(f"--plant-slow {args.plant_slow!r} must be LAYER:MS or LAYER:MS:RANK (LAYER '*': every layer), "
+                 "e.g. 1:30 or '*:20:1'")
+        if layer is not None and not 0 <= layer <= last or not ms > 0:
+            fail(f"--plant-slow {args.plant_slow!r}: LAYER in 0..{last} or '*', MS > 0")
+        args.plant_slow_at = (layer, ms, rank)
+    if args.plant_item is not None:
+        parts = args.plant_item.split(":")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            layer, count = int(parts[0]), int(parts[1])
+        except ValueError:
+            fail(f"--plant-item {args.plant_item!r} must be LAYER:COUNT, e.g. 1:4")
+        if not 0 <= layer <= last or count < 1:
+            fail(f"--plant-item {args.plant_item!r}: LAYER in 0..{last}, COUNT >= 1")
+        args.plant_item_at = (layer, count)

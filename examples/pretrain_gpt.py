@@ -27,7 +27,8 @@ because the backend lacks them), also printed at the end as a sentence (``portsp
 TEST-ONLY planted faults (portspeed.testing.plant) make training wrong on purpose, so tests can prove
 the tools catch it: ``--plant-divergence ITER`` (a gradient scaled from ITER on), ``--plant-reduce-avg
 LAYER[:ITER]`` (one row-parallel all_reduce averaged instead of summed, TP >= 2) and ``--plant-nan
-ITER:LAYER`` (one NaN in a decoder layer's output).
+ITER:LAYER`` (one NaN in a decoder layer's output); for ``portspeed run --perf``, ``--plant-slow LAYER:MS[:RANK]``
+(a decoder layer's MLP sleeps, on one rank or all) and ``--plant-item LAYER:COUNT`` (``.item()`` host round trips).
 """
 
 import portspeed.megatron_adaptor  # noqa: F401  (first: translation + patches before Megatron loads)
@@ -260,7 +261,8 @@ def train_step(args: argparse.Namespace, model: list, optimizer: Any, it: int) -
 
 def plant_faults(args: argparse.Namespace) -> Any:
     """TEST-ONLY: register the planted fault asked for (wrong on purpose); the plant module, or None."""
-    if args.plant_divergence is None and args.plant_reduce_avg_at is None and args.plant_nan_at is None:
+    if all(x is None for x in (args.plant_divergence, args.plant_reduce_avg_at, args.plant_nan_at,
+                                args.plant_slow_at, args.plant_item_at)):
         return None
     from portspeed.testing import plant
 
@@ -269,9 +271,15 @@ def plant_faults(args: argparse.Namespace) -> Any:
     elif args.plant_reduce_avg_at is not None:
         layer, it = args.plant_reduce_avg_at
         plant.plant_reduce_avg(layer, iteration=it)
-    else:
+    elif args.plant_nan_at is not None:
         it, layer = args.plant_nan_at
         plant.plant_nan(it, layer=layer)
+    elif args.plant_slow_at is not None:
+        layer, ms, rank = args.plant_slow_at
+        plant.plant_slow(layer, ms, rank=rank)
+    else:
+        layer, count = args.plant_item_at
+        plant.plant_item(layer, count)
     return plant
 
 

@@ -24,7 +24,7 @@ from portspeed.settings import (BY_ENV, BY_FIELD, HANG_TRACE_ENTRIES, PROBE_LEVE
 __all__ = ["Settings", "settings", "reload", "use", "read", "parse_accelerator", "parse_bool", "parse_names",
            "parse_te_kernels", "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV",
            "parse_seconds", "TRACE_ENV", "TRACE_DIR_ENV", "TRACE_ON_EXIT_ENV", "HANG_TIMEOUT_ENV",
-           "HANG_TRACE_ENTRIES", "PROBE_ENV", "PROBE_LEVELS", "parse_probe_iterations", "writable_folder",
+           "HANG_TRACE_ENTRIES", "PROBE_ENV", "PERF_ENV", "PROBE_LEVELS", "parse_probe_iterations", "writable_folder",
            "Setting", "TABLE", "BY_ENV", "BY_FIELD"]
 
 #: the flight recorder's settings (``portspeed.comm.trace``); ``portspeed.comm.trace_files`` names them, with the
@@ -36,6 +36,8 @@ TRACE_ON_EXIT_ENV = BY_FIELD["trace_on_exit"].env
 HANG_TIMEOUT_ENV = BY_FIELD["hang_timeout"].env
 #: the probe's settings (``portspeed.probe``): short name -> variable
 PROBE_ENV = {s.field.removeprefix("probe_"): s.env for s in TABLE if s.field.startswith("probe_")}
+#: the perf recording's settings (``portspeed.perf``): short name -> variable
+PERF_ENV = {s.field.removeprefix("perf_"): s.env for s in TABLE if s.field.startswith("perf_")}
 
 
 def _given(s: Setting, env: Mapping[str, str]) -> bool:
@@ -52,8 +54,9 @@ def _read(env: Mapping[str, str]) -> dict[str, Any]:
     """The fields ``env`` sets, parsed by their declarations; ConfigError naming the first refused one."""
     for s in TABLE:
         if s.needs and _given(s, env) and not _given(BY_ENV[s.needs], env):
-            raise ConfigError(f"{s.env} is set but {s.needs} is not; give the folder the probe writes "
-                              "(portspeed run --probe DIR), or unset it")
+            needed = BY_ENV[s.needs]
+            raise ConfigError(f"{s.env} is set but {s.needs} is not; give the folder it writes "
+                              f"(portspeed run {needed.switch} DIR), or unset it")
     kw = {s.field: _parse(s, env) for s in TABLE if _given(s, env)}
     if "hang_timeout" in kw:
         kw.setdefault("trace", HANG_TRACE_ENTRIES)  # a hang timeout turns the recorder on

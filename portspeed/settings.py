@@ -20,7 +20,7 @@ from portspeed.errors import ConfigError
 
 __all__ = ["Setting", "TABLE", "BY_ENV", "BY_FIELD", "markdown", "parse_bool", "parse_accelerator", "parse_names",
            "parse_seconds", "parse_te_kernels", "parse_probe_iterations", "writable_folder", "TE_KERNEL_OPS",
-           "TE_KERNEL_IMPLS", "PROBE_LEVELS", "HANG_TRACE_ENTRIES"]
+           "TE_KERNEL_IMPLS", "PROBE_LEVELS", "PERF_LEVELS", "HANG_TRACE_ENTRIES"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -36,6 +36,7 @@ TE_KERNEL_OPS = ("attention", "attention_lse", "attention_lse_backward", "rms_no
 #: the implementations, in the order of preference
 TE_KERNEL_IMPLS = ("vendor", "torch", "reference")
 PROBE_LEVELS = ("module", "op")
+PERF_LEVELS = ("module", "op")
 #: the recorder's entries when a hang timeout turns it on and PORTSPEED_TRACE is unset
 HANG_TRACE_ENTRIES = 2000
 
@@ -217,6 +218,13 @@ def _probe_level(name: str, value: str) -> str:
     return value.strip().lower()
 
 
+def _perf_level(name: str, value: str) -> str:
+    if value.strip().lower() not in PERF_LEVELS:
+        raise ConfigError(f"{_shown(name, value)} is not a perf level; use module (each module's forward and backward "
+                          "time) or op (also each operator's time inside them)")
+    return value.strip().lower()
+
+
 def _probe_ranks(name: str, value: str) -> tuple[int, ...]:
     parts = [p.strip() for p in value.split(",") if p.strip()]
     if not parts or not all(_COUNT.fullmatch(p) for p in parts):
@@ -238,6 +246,7 @@ def _text(name: str, value: str) -> str:
 
 
 _PROBE = "PORTSPEED_PROBE_DIR"
+_PERF = "PORTSPEED_PERF"
 _B01 = "0/1, true/false, yes/no, on/off"
 #: the settings, in the order they are read (the first refusal is the one reported) and documented
 TABLE: tuple[Setting, ...] = (
@@ -310,6 +319,18 @@ TABLE: tuple[Setting, ...] = (
     Setting("PORTSPEED_PROBE_NAN", "probe_nan", parse_bool, False, f"{_B01} (default 0)",
             "on every iteration, find the first module (op) whose output or gradient turned non-finite; write that "
             "iteration's dump and stop the job", "--probe-nan", needs=_PROBE),
+    Setting("PORTSPEED_PERF", "perf_dir", writable_folder, None,
+            "a writable folder holding no perf recording (created if missing)",
+            "where a port is slow: per rank and iteration, each module's forward and backward time, host syncs, CPU "
+            "fallbacks and collectives (see performance.md); unset: nothing installed", switch="--perf"),
+    Setting("PORTSPEED_PERF_ITERATIONS", "perf_iterations", parse_probe_iterations, (2, 4),
+            "`A:B` or `A` (1-based, default `2:4`: the first iteration warms up)", "the training iterations timed",
+            "--perf-iterations", needs=_PERF),
+    Setting("PORTSPEED_PERF_RANKS", "perf_ranks", _probe_ranks, None, "comma-separated global ranks (default: all)",
+            "the ranks that record timings", "--perf-ranks", needs=_PERF),
+    Setting("PORTSPEED_PERF_LEVEL", "perf_level", _perf_level, "module", "`module` (default) or `op`",
+            "each module's forward and backward time; `op` adds each operator's time inside them", "--perf-level",
+            needs=_PERF),
 )
 BY_ENV: dict[str, Setting] = {s.env: s for s in TABLE}
 BY_FIELD: dict[str, Setting] = {s.field: s for s in TABLE}

@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
     "comm": ("portspeed.comm", "portspeed.router"),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
-                "portspeed.probe"),
+                "portspeed.probe", "portspeed.perf"),
     "parity": ("portspeed.parity",),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
     "top": ("portspeed.cli", "portspeed.conformance"),

@@ -30,6 +30,11 @@ and a run whose dumps show a cause ends with that answer (docs/reliability.md, "
 workers; a bad switch, an unwritable DIR or a DIR that already holds a dump is refused before any
 worker starts (``portspeed.cli.probe_options``).
 
+``--perf DIR`` (with ``--perf-iterations A:B``, ``--perf-ranks R,...``, ``--perf-level module|op``)  times
+each module's forward and backward, host syncs, CPU fallbacks and collectives of the chosen iterations,
+per rank, into DIR (``portspeed.perf``, docs/performance.md), through ``PORTSPEED_PERF*``; refused as the
+probe's switches are (``portspeed.cli.perf_options``).
+
 Limits: ``--no-python`` (the script is an executable, so no Python runs before it) and
 ``--run-path`` (torchrun runs the script inside its own process) are refused with a
 message saying what to use instead. Everything else, elastic options included, is
@@ -48,7 +53,7 @@ import importlib.util
 import os
 import sys
 
-from portspeed.cli import failures, hang_watch, probe_options
+from portspeed.cli import failures, hang_watch, perf_options, probe_options
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 
@@ -89,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flight recorder, the job is ended and `portspeed why-hung` names the cause",
     )
     probe_options.add_arguments(parser)
+    perf_options.add_arguments(parser)
     return parser
 
 
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_adaptor_importable(adaptor_module)
         handed = _preflight(args, adaptor_module)
         probe = probe_options.environment(args, _world_size(args))
+        perf = perf_options.environment(args, _world_size(args))
     except PortspeedError as exc:  # LaunchError, and bad PORTSPEED_* settings, devices or layouts
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         probe_options.export(probe)  # the probe folder is made last: a refused command line creates nothing
+        perf_options.export(perf)
     except PortspeedError as exc:
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2

@@ -69,11 +69,12 @@ def _import_adaptor(name: str | None) -> None:
 
 
 def _record_from_launch(adaptor: str) -> None:
-    """Recording or probing on: run the adaptor's set-up now (it installs the recording and probe patches)
+    """Recording, probing or perf timing on: run the adaptor's set-up now (it installs those patches)
     rather than at the framework's first import, which a plain torch script never makes."""
     from portspeed import config
 
-    if (config.settings().trace > 0 or config.settings().probe_dir) and adaptor != "none":
+    settings = config.settings()
+    if (settings.trace > 0 or settings.probe_dir or settings.perf_dir) and adaptor != "none":
         from portspeed.integrations.activation import activate_waiting
 
         activate_waiting()

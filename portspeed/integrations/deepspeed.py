@@ -61,14 +61,14 @@ _hooked = False
 
 def deepspeed_patches() -> list[Patch]:
     """Router + DeepSpeed patches (+ Accelerate's, for the Trainer's ``deepspeed=`` path; + the probe's when
-    PORTSPEED_PROBE_DIR is set), in registration order."""
+    PORTSPEED_PROBE_DIR is set, the perf recording's collectives when PORTSPEED_PERF is), in registration order."""
     from portspeed.patches import deepspeed as ds_patches
-    from portspeed.patches import hf_accelerate, probe
+    from portspeed.patches import hf_accelerate, perf, probe
     from portspeed.patches import torch_distributed
 
     # Accelerate's only where it is installed: a DeepSpeed user without it is no drift (PORTSPEED_STRICT)
     extra = hf_accelerate.PATCHES if importlib.util.find_spec("accelerate") is not None else []
-    return [*torch_distributed.PATCHES, *ds_patches.PATCHES, *extra, *probe.for_deepspeed()]
+    return [*torch_distributed.PATCHES, *ds_patches.PATCHES, *extra, *probe.for_deepspeed(), *perf.for_deepspeed()]
 
 
 def ds_accelerator_for_adapter() -> Any:

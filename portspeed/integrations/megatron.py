@@ -50,12 +50,13 @@ log = logging.getLogger("portspeed.megatron")
 __getattr__, __dir__ = lazy_exports(__name__, {"note_fallback": "portspeed.patches.megatron.core_common"})
 
 def megatron_patches() -> list[Patch]:
-    """torch_cuda + router + Megatron patches (+ the probe's when PORTSPEED_PROBE_DIR is set), in registration
-    order."""
-    from portspeed.patches import probe, torch_cuda, torch_distributed
+    """torch_cuda + router + Megatron patches (+ the probe's when PORTSPEED_PROBE_DIR is set, the perf recording's
+    when PORTSPEED_PERF is), in registration order."""
+    from portspeed.patches import perf, probe, torch_cuda, torch_distributed
     from portspeed.patches.megatron import all_patches
 
-    return [*torch_cuda.PATCHES, *torch_distributed.PATCHES, *all_patches(), *probe.for_megatron()]
+    return [*torch_cuda.PATCHES, *torch_distributed.PATCHES, *all_patches(), *probe.for_megatron(),
+            *perf.for_megatron()]
 
 
 class _UnlessRootHandles(logging.StreamHandler):

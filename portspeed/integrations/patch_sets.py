@@ -32,6 +32,8 @@ PATCH_SETS: dict[str, tuple[str, str]] = {
     "hf_accelerate": ("portspeed.patches.hf_accelerate", "PATCHES"),
     # declared only when PORTSPEED_PROBE_DIR is set (probing off: an empty set, nothing installed)
     "probe": ("portspeed.patches.probe", "all_patches"),
+    # declared only when PORTSPEED_PERF is set (off: an empty set, nothing installed)
+    "perf": ("portspeed.patches.perf", "all_patches"),
 }
 
 

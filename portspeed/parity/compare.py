@@ -6,6 +6,9 @@
     portspeed compare SPEC.json [--workdir DIR]           # launch the runs a spec lists, then compare
     portspeed compare --probe REF_DIR RUN_DIR [--iterations A:B] [--rtol X] [--json out.json]
                                                            # where two probed runs part (probe_compare)
+    portspeed compare --perf REF_DIR RUN_DIR [--threshold POINTS] [--json out.json]
+                                                           # where RUN is slow against REF (perf_compare)
+    portspeed compare --perf RUN_DIR [--chrome trace.json]  # the slow rank of one run (perf_ranks), its timeline
 
 The first RUN is the reference. Exit status: 0 every run within tolerance, 1 some run
 outside it, 2 bad input (missing file, unknown format, no loss lines, mismatched iteration
@@ -61,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe", action="store_true",
                    help="the two RUNs are probe dump folders (`portspeed run --probe DIR`): name the first module "
                         "whose output, gradient or parameter leaves its band (--rtol sets every band)")
+    p.add_argument("--perf", action="store_true",
+                   help="the RUNs are perf recordings (`portspeed run --perf DIR`): with REF RUN, name the part whose "
+                        "share of the step grew most and why; with one RUN, name the slow rank")
+    p.add_argument("--threshold", type=_nonneg, default=None, metavar="POINTS",
+                   help="--perf: name a part only when its share of the step grew by more than POINTS percentage "
+                        "points (default 10)")
+    p.add_argument("--chrome", default=None, metavar="FILE",
+                   help="--perf: also write RUN's timeline as a Chrome trace (Perfetto, chrome://tracing)")
     p.add_argument("--layers", action="store_true", help="replaced by --probe (docs/accuracy.md)")
     return p
 
@@ -248,6 +259,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         from portspeed.parity.layerstats import REPLACED_BY
         print(f"portspeed compare: error: {REPLACED_BY}", file=err)
         return EXIT_BAD_INPUT
+    if args.perf:
+        return _main_perf(args, out, err)
+    if args.threshold is not None or args.chrome is not None:
+        print("portspeed compare: error: --threshold and --chrome apply to --perf recordings only", file=err)
+        return EXIT_BAD_INPUT
     if args.probe:
         return _main_probe(args, out, err)
     try:
@@ -293,6 +309,26 @@ def _main_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"portspeed compare: error: {e}", file=err)
     except OSError as e:
         print(f"portspeed compare: error: cannot write report: {e}", file=err)
+    return EXIT_BAD_INPUT
+
+
+#: options of the loss comparison that mean nothing to --perf
+_NOT_WITH_PERF = ("atol", "rtol", "dtype", "metric", "plot", "markdown", "iterations", "probe")
+
+
+def _main_perf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    given = [f"--{o}" for o in _NOT_WITH_PERF if getattr(args, o) not in (None, False)]
+    if given:
+        print(f"portspeed compare: error: {' '.join(given)} do not apply to perf recordings; --perf takes "
+              "--threshold, --json and --chrome", file=err)
+        return EXIT_BAD_INPUT
+    from portspeed.parity.perf_compare import main_perf  # only --perf users pay for it
+    try:
+        return main_perf(args.runs, out, args.threshold, args.json, args.chrome)
+    except PortspeedError as e:
+        print(f"portspeed compare: error: {e}", file=err)
+    except OSError as e:
+        print(f"portspeed compare: error: cannot read or write: {e}", file=err)
     return EXIT_BAD_INPUT
 
 

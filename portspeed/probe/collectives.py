@@ -30,42 +30,54 @@ import torch.distributed as dist
 
 from portspeed.comm.work import ThenWork
 
-__all__ = ["ProbedWork", "RECORDED", "recorded", "set_target"]
+__all__ = ["ProbedWork", "RECORDED", "Slot", "recorded", "set_target"]
 
 #: the functions wrapped (those present in the running torch)
 RECORDED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
             "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
             "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
 
-#: the iteration being recorded: an object with ``collective(name, args, kwargs) -> finish(result)``; None: off
-_target: list[Any] = [None]
-_busy = [False]
+class Slot:
+    """Where one recorder plugs into the wrappers: the probe's (``set_target``) and the perf recording's
+    (``portspeed.perf.collectives``) each have their own, so both can wrap the same calls at once."""
+
+    __slots__ = ("target", "busy")
+
+    def __init__(self) -> None:
+        #: the iteration being recorded: an object with ``collective(name, args, kwargs) -> finish``; None: off
+        self.target: Any = None
+        self.busy = False  # inside a recorded call: a call it makes (an old name delegating) is passed through
+
+
+#: the probe's slot
+_SLOT = Slot()
 
 
 def set_target(target: Any) -> None:
     """Start (an iteration's recorder) or stop (None) recording collectives."""
-    _target[0] = target
+    _SLOT.target = target
 
 
 #: the handle of a recorded ``async_op=True`` call: ``wait()`` waits on the real one, then records
 ProbedWork = ThenWork
 
 
-def recorded(name: str) -> Callable[[Callable], Callable]:
-    """A factory ``make(original) -> wrapper`` (``style="function"``) recording ``name`` while a target is set."""
+def recorded(name: str, slot: Slot = _SLOT, prefix: str = "probe") -> Callable[[Callable], Callable]:
+    """A factory ``make(original) -> wrapper`` (``style="function"``) recording ``name`` while ``slot`` has a
+    target (default: the probe's)."""
 
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            target = _target[0]
-            if target is None or _busy[0]:
+            target = slot.target
+            if target is None or slot.busy:
                 return original(*args, **kwargs)
-            _busy[0] = True
+            slot.busy = True
             try:
                 finish = target.collective(name, args, kwargs)
                 out = original(*args, **kwargs)
             finally:
-                _busy[0] = False
+                slot.busy = False
             if finish is None:
                 return out
             if name == "batch_isend_irecv":
@@ -81,7 +93,7 @@ def recorded(name: str) -> Callable[[Callable], Callable]:
 
         return wrapper
 
-    make.__name__ = make.__qualname__ = f"probe_{name}"
+    make.__name__ = make.__qualname__ = f"{prefix}_{name}"
     return make
 
 

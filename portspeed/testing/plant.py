@@ -54,7 +54,7 @@ from portspeed.errors import PortspeedError
 from portspeed.patching.record import WRAP, Patch
 
 __all__ = ["NAN_PATCH", "PATCH_NAME", "PlantError", "REDUCE_AVG_PATCHES", "make_patch", "plant", "plant_nan",
-           "plant_reduce_avg", "planted", "set_iteration"]
+           "plant_reduce_avg", "plant_slow", "plant_item", "planted", "set_iteration", "SLOW_PATCHES"]
 
 log = logging.getLogger("portspeed.testing.plant")
 
@@ -232,6 +232,84 @@ def plant_nan(iteration: int, layer: int) -> Patch:
     return patch
 
 
+# ------------------------------------------------------------------ a slow module, a host round trip (perf)
+SLOW_PATCHES = ("portspeed.testing.plant_slow.arm", "portspeed.testing.plant_slow.mlp")
+_MLP = "megatron.core.transformer.mlp:MLP.forward"
+_slow: dict[str, Any] = {"layer": None, "ms": 0.0, "rank": None, "items": 0, "item_ms": 0.0, "in_layer": None,
+                         "slowed": 0, "synced": 0}
+
+
+def _arm_layer(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """TransformerLayer.forward: which decoder layer's MLP runs now (0-based), for the MLP wrapper."""
+    number = getattr(instance, "layer_number", None)
+    outer = _slow["in_layer"]
+    _slow["in_layer"] = number - 1 if isinstance(number, int) else None
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _slow["in_layer"] = outer
+
+
+def _this_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _slow_mlp(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """MLP.forward of the planted layer (on the planted rank): the planted sleep, or the planted .item() calls."""
+    import time
+
+    if (_slow["in_layer"] is None or _slow["layer"] is not None and _slow["in_layer"] != _slow["layer"]
+            or _slow["rank"] is not None and _this_rank() != _slow["rank"]):
+        return wrapped(*args, **kwargs)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if _slow["items"]:
+        for _ in range(_slow["items"]):
+            hidden.detach().abs().sum().item()  # a host round trip: the host waits for the device's answer
+            time.sleep(_slow["item_ms"] / 1e3)  # what a device's queue draining costs (the test device has none)
+            _slow["synced"] += 1
+    if _slow["ms"]:
+        time.sleep(_slow["ms"] / 1e3)
+        _slow["slowed"] += 1
+    return wrapped(*args, **kwargs)
+
+
+def _register_slow() -> list[Patch]:
+    why = "TEST-ONLY planted slowness"
+    patches = [Patch(name=SLOW_PATCHES[0], target=_LAYER, kind=WRAP, impl=_arm_layer, distribution="megatron-core",
+                     reason=f"{why} (notes which decoder layer runs)"),
+               Patch(name=SLOW_PATCHES[1], target=_MLP, kind=WRAP, impl=_slow_mlp, distribution="megatron-core",
+                     reason=f"{why} (the planted layer's MLP forward waits, or makes host round trips)")]
+    _register(patches)
+    return patches
+
+
+def plant_slow(layer: int | None, ms: float, rank: int | None = None) -> list[Patch]:
+    """Register a sleep of ``ms`` milliseconds in each forward of decoder layer ``layer``'s MLP (None: every
+    layer's), on global rank ``rank`` only or every rank: a module that is slow, or a rank that is."""
+    if layer is not None and layer < 0:
+        raise PlantError(f"plant_slow(layer={layer}): a 0-based decoder layer index (0, 1, ...) is needed")
+    if not ms > 0:
+        raise PlantError(f"plant_slow(ms={ms}) would change nothing; pass a positive number of milliseconds")
+    _slow.update({"layer": None if layer is None else int(layer), "ms": float(ms), "rank": rank})
+    log.warning("TEST-ONLY planted slowness: decoder layer %s's MLP forward sleeps %g ms%s", layer, ms,
+                "" if rank is None else f" on rank {rank}")
+    return _register_slow()
+
+
+def plant_item(layer: int, count: int, ms: float = 2.0) -> list[Patch]:
+    """Register ``count`` host round trips (``.item()`` of a reduction of its input, each followed by ``ms``
+    milliseconds standing for a device's queue draining, which the synchronous test device does not have) in each
+    forward of decoder layer ``layer``'s MLP."""
+    if layer < 0 or count < 1:
+        raise PlantError(f"plant_item(layer={layer}, count={count}): a 0-based decoder layer and at least one call")
+    _slow.update({"layer": int(layer), "items": int(count), "item_ms": float(ms)})
+    log.warning("TEST-ONLY planted host round trips: decoder layer %d's MLP forward calls .item() %d times", layer,
+                count)
+    return _register_slow()
+
+
 def planted() -> str:
     """What the planted faults changed in this process so far, in one line ('' when nothing)."""
     done = []
@@ -240,4 +318,9 @@ def planted() -> str:
                     f"self_attention.linear_proj, iteration {_state['avg_iteration']})")
     if _state["nan_done"] is not None:
         done.append(f"NaN set in decoder.layers.{_state['nan_layer']} output, iteration {_state['nan_done']}")
+    if _slow["slowed"]:
+        where = "every decoder layer's" if _slow["layer"] is None else f"decoder.layers.{_slow['layer']}"
+        done.append(f"{where} mlp slept {_slow['ms']:g} ms in {_slow['slowed']} forward(s)")
+    if _slow["synced"]:
+        done.append(f"{_slow['synced']} .item() round trip(s) in decoder.layers.{_slow['layer']}.mlp")
     return "TEST-ONLY plant: " + "; ".join(done) if done else ""
