@@ -51,7 +51,7 @@ PERF = ["--perf-iterations", "2:6"]
 #: name -> (ranks, the example's flags, environment); "clean-b" goes through torchrun and PORTSPEED_PERF*
 RUNS: dict[str, tuple[int, list[str], dict[str, str]]] = {
     "tp2": (2, [*MODEL, "--tp", "2"], {}),
-    "tp2-slow-rank": (2, [*MODEL, "--tp", "2", "--plant-slow", "*:25:1"], {}),
+    "tp2-slow-rank": (2, [*MODEL, "--tp", "2", "--plant-slow", "*:60:1"], {}),
     "testdev-slow": (1, [*MODEL, "--plant-slow", "1:40"], {"PORTSPEED_ACCELERATOR": "testdev"}),
     "clean-a": (1, MODEL, {}),
     "clean-b": (1, MODEL, {}),
