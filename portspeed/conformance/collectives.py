@@ -37,6 +37,7 @@ import os
 import sys
 from typing import Any
 
+from portspeed.accelerator.declarations import groups_backend
 from portspeed.conformance import gaps
 from portspeed.conformance.rank import Rank
 from portspeed.conformance.report import Report
@@ -286,7 +287,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     acc.set_device(rank)
     r = Rank(rank, n, acc.device())
-    real = acc.communication_backend
+    real = groups_backend(acc)  # staged when it declares staged_collectives
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0, timeout=timeout)
 
@@ -328,7 +329,7 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 def _own_declaration(acc: Any) -> Any:
     """The adapter's BackendGaps where its groups run on its own backend (else None: the backend's defaults apply)."""
-    return acc.backend_gaps if acc.backend_gaps is not None and acc.owns_backend(acc.communication_backend) else None
+    return acc.backend_gaps if acc.backend_gaps is not None and acc.owns_backend(groups_backend(acc)) else None
 
 
 def run_collective_checks(adapter: str, report: Report, nproc: int = 2, timeout: float = 300,
