@@ -73,6 +73,12 @@ def _empty(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu")
 
 
+def _wait_all(works: Any) -> None:
+    """Wait for each work (the adapter's backend answers asynchronously; a coalesced call is done when all are)."""
+    for w in list(works):
+        w.wait()
+
+
 def _back(dst: torch.Tensor, host: torch.Tensor) -> None:
     if dst is not host:
         dst.copy_(host.view(dst.shape))
@@ -164,9 +170,7 @@ class StagedProcessGroup(dist.ProcessGroup):
         ar = dist.AllreduceOptions()
         if opts is not None:
             ar.reduceOp, ar.timeout = opts.reduceOp, opts.timeout
-        works = [self.allreduce([t], ar) for t in tensors]
-        for w in works:
-            w.wait()
+        _wait_all(self.allreduce([t], ar) for t in tensors)
         return _done(tensors)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work:
@@ -196,8 +200,7 @@ class StagedProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> dist.Work:
-        for outs, inp in zip(output_lists, input_list):
-            self.allgather([outs], [inp], opts)
+        _wait_all(self.allgather([outs], [inp], opts) for outs, inp in zip(output_lists, input_list))
         return _done(output_lists)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
@@ -216,8 +219,7 @@ class StagedProcessGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts: Any = None) -> dist.Work:
-        for o, i in zip(outputs, inputs):
-            self.all_gather_single(o, i, opts)
+        _wait_all(self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs))
         return _done(outputs)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
@@ -243,8 +245,7 @@ class StagedProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any) -> dist.Work:
-        for o, i in zip(outputs, inputs):
-            self.reduce_scatter_single(o, i, opts)
+        _wait_all(self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs))
         return _done(outputs)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
