@@ -9,7 +9,8 @@ path reads (``_CAPS``) in step with the groups that exist.
 Contract
 - ``init_process_group`` / ``new_group``: the backend is mapped (``backends.map_backend``),
   NCCL-only ``pg_options`` meant for another backend are dropped, the requested name is
-  remembered (a sub-group created without a backend inherits the default group's name);
+  remembered (a sub-group created without a backend inherits the default group's name); the default
+  group's collectives are checked once on small tensors (``ccl_check``: a wrong CCL stops the job there);
   a group whose real backend is Gloo is created lazily (``gloo_init.lazy_gloo``: its ranks
   connect at its first collective), unless ``PORTSPEED_GLOO_LAZY_INIT=0`` or the user set
   ``TORCH_GLOO_LAZY_INIT``.
@@ -34,7 +35,7 @@ from typing import Any, Callable
 
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm import backends, nan_check, trace_torch
+from portspeed.comm import backends, ccl_check, nan_check, trace_torch
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo
@@ -95,6 +96,7 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
         _CAPS.clear()
         if asked is not None:
             backends.remember(c10d._get_default_group(), asked)
+    ccl_check.check_default_group(_accelerator())  # a wrong CCL stops the job here (PORTSPEED_CCL_CHECK)
     return result
 
 

@@ -41,6 +41,7 @@ from portspeed.accelerator.declarations import groups_backend
 from portspeed.conformance import gaps
 from portspeed.conformance.rank import Rank
 from portspeed.conformance.report import Report
+from portspeed.conformance.staging import propose
 
 __all__ = ["rank_main", "run_collective_checks"]
 
@@ -340,7 +341,8 @@ def run_collective_checks(adapter: str, report: Report, nproc: int = 2, timeout:
     from portspeed.testing import run_ranks
 
     argv = ["-m", "portspeed.conformance.collectives"] + (["--declared-gaps"] if declared_gaps else [])
-    res = run_ranks(argv, nproc, timeout=timeout, env={"PORTSPEED_ACCELERATOR": adapter})
+    # PORTSPEED_CCL_CHECK=0: the start check would stop a wrong library before this suite names each call
+    res = run_ranks(argv, nproc, timeout=timeout, env={"PORTSPEED_ACCELERATOR": adapter, "PORTSPEED_CCL_CHECK": "0"})
     seen: dict[str, list[str]] = {}
     keys: dict[str, tuple] = {}
     results: list[dict] = []
@@ -357,8 +359,14 @@ def run_collective_checks(adapter: str, report: Report, nproc: int = 2, timeout:
                 keys[c["check"]] = tuple(c["key"])
             if not c["ok"]:
                 seen[c["check"]].append(f"rank {r.rank}: {c['detail']}")
-    declared = _own_declaration(adapter_class(adapter)())
+    acc = adapter_class(adapter)()
+    declared = _own_declaration(acc)
     findings, explained, why = gaps.suggest(results, declared)
+    staging = propose(results, acc)  # wrong values, or a missing collective: stage them (a line to paste)
+    if staging is not None:
+        report.declare(*staging)
+        if staging[0] == "backend":
+            findings, explained = [], set()  # every collective staged: no BackendGaps item of the library applies
     for name, problems in seen.items():
         if problems and keys.get(name) in explained:
             continue  # said below, as the declaration to write
