@@ -17,6 +17,7 @@ adapter class that lacks one is refused when it is defined, and again when it is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -369,9 +370,12 @@ class Accelerator:
         from portspeed.accelerator.capabilities import capabilities_for
 
         name = (backend or groups_backend(self)).lower()
-        if self.backend_gaps is not None and self.owns_backend(name):
-            return self.backend_gaps.capabilities(name, adapter=self.name)
-        return capabilities_for(name)
+        caps = (self.backend_gaps.capabilities(name, adapter=self.name)
+                if self.backend_gaps is not None and self.owns_backend(name) else capabilities_for(name))
+        if name == STAGED_BACKEND and caps.groups_hold_host_threads:
+            # a Python c10d group: torch 2.13 cannot destroy one sub-group of it (as the stand-in CCL's)
+            caps = dataclasses.replace(caps, groups_hold_host_threads=False)
+        return caps
 
     def describe(self) -> dict[str, Any]:
         """A summary for `portspeed info` and loss records."""

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed import distributed_c10d as c10d
 
 from portspeed.errors import CclCheckError
@@ -70,7 +71,7 @@ def _cases(pg: Any, dev: torch.device, r: int, n: int) -> list[tuple[str, Callab
 
     def all_gather() -> torch.Tensor:
         out = on(torch.full((2 * n,), -1.0))
-        pg._allgather_base(out, on(torch.full((2,), float(r + 1))), dist.AllgatherOptions()).wait()
+        pg._allgather_base(out, on(torch.full((2,), float(r + 1))), AllgatherOptions()).wait()
         return out.cpu()
 
     def reduce_scatter() -> torch.Tensor:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import AllgatherOptions, _create_work_from_future
 from torch.futures import Future
 
 from portspeed.accelerator.declarations import STAGED_BACKEND as BACKEND_NAME
@@ -188,7 +188,7 @@ class StagedProcessGroup(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         own = self._own("all_gather")
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         if own is not None:
             return own.allgather(output_tensors, input_tensors, opts)
         for outs, inp in zip(output_tensors, input_tensors):
@@ -205,7 +205,7 @@ class StagedProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         own = self._own("all_gather_into_tensor")
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else AllgatherOptions()
         if own is not None:
             return own._allgather_base(output, input, opts)
         # flat on the host whatever the caller's shapes: Gloo wants each output chunk shaped as the input
