@@ -49,10 +49,7 @@ def _map_one(name: str, acc: Any) -> str:
     target = groups_backend(acc)
     low = name.strip().lower()
     if low == STAGED_BACKEND:
-        from portspeed.comm import staged
-
-        staged.register(acc.device_type)  # portspeed's own backend: registered for the device when first asked
-        return low
+        return low  # portspeed's own backend (registered for the device when a group is made: groups.py)
     if low == target or low in ("gloo", "mpi"):
         return low
     device = KNOWN_BACKENDS.get(low)
@@ -75,8 +72,6 @@ def map_backend(requested: str | None, accelerator: Any = None) -> str | None:
     """The backend to create a group with, for the ``requested`` name on the active adapter."""
     acc = accelerator if accelerator is not None else _accelerator()
     target = groups_backend(acc)
-    if target == STAGED_BACKEND:
-        _map_one(target, acc)  # registers it
     if requested is None:
         if acc.runs_cuda_natively and target == "nccl":
             return None  # nothing changes where CUDA runs natively: torch picks its own default

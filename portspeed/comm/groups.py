@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm import backends, ccl_check, nan_check, trace_torch
+from portspeed.accelerator.declarations import STAGED_BACKEND
+from portspeed.comm import backends, ccl_check, nan_check, staged, trace_torch
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo
@@ -88,6 +89,7 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
         args[7] = _drop_foreign_options(args[7], asked, mapped)
     elif "pg_options" in kwargs:
         kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
+    _register_staged(mapped)
     trace_torch.before_init(mapped)  # PORTSPEED_TRACE on NCCL: torch's own flight recorder too (set before the group)
     nan_check.before_init()  # PORTSPEED_NAN_CHECK on torch >= 2.15: torch's NanCheckHook on every group it makes
     with lazy_gloo(mapped):
@@ -117,6 +119,7 @@ def wrap_new_group(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
             args[3] = _drop_foreign_options(args[3], asked, mapped)
         elif "pg_options" in kwargs:
             kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
+    _register_staged(mapped)
     with lazy_gloo(mapped if mapped is not None else _default_real()):
         group = wrapped(*args, **kwargs)
     name = asked if asked is not None else inherited
@@ -124,6 +127,12 @@ def wrap_new_group(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
         with _lock:
             backends.remember(group, name)
     return group
+
+
+def _register_staged(mapped: Any) -> None:
+    """Register portspeed's ``staged`` backend for the adapter's device when a group is made on it."""
+    if isinstance(mapped, str) and STAGED_BACKEND in mapped.lower():
+        staged.register(_accelerator().device_type)
 
 
 def _default_real() -> str | None:

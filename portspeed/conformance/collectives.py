@@ -292,6 +292,10 @@ def rank_main(argv: list[str] | None = None) -> int:
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0, timeout=timeout)
 
+    if real == "staged":  # portspeed's own backend: registered for the device (the router does it when routed)
+        from portspeed.comm import staged
+
+        staged.register(acc.device_type)
     if args.declared_gaps and not args.replay:
         dist.init_process_group(backend=real, rank=rank, world_size=n, timeout=timeout,
                                 store=dist.PrefixStore("raw", store))
