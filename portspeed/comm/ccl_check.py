@@ -26,6 +26,7 @@ that hangs hangs here (at the group's timeout), which is at least at the start; 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any, Callable
 
@@ -37,6 +38,8 @@ from torch.distributed import distributed_c10d as c10d
 from portspeed.errors import CclCheckError
 
 __all__ = ["CHECKED", "check_default_group"]
+
+log = logging.getLogger("portspeed.comm.ccl_check")
 
 #: the collectives checked, as ``staged_collectives`` names them
 CHECKED = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
@@ -153,6 +156,8 @@ def check_default_group(acc: Any) -> None:
     bad = [name for name in CHECKED if store.check([key + "wrong/" + name])]
     last.update(seconds=time.perf_counter() - started, backend=backend, wrong=bad)
     if not bad:
+        log.info("portspeed: the collectives of %r (%d ranks) checked at start in %.1f ms", backend, n,
+                 last["seconds"] * 1e3)
         return
     first = store.get(key + "first").decode()
     if len(bad) == len(CHECKED):
