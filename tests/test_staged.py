@@ -136,7 +136,7 @@ def test_a_wrong_ccl_stops_the_job_when_its_default_group_is_made(adapters: Path
         assert "broadcast: rank 1 got [2, 4, 6, 8], want [1, 2, 3, 4] (wrong: broadcast)" in msg, msg
         assert "paste into the adapter class Liar: staged_collectives = ('broadcast',)" in msg, msg
         assert got["verified-liar"] == "passed" and got["verified-liar seconds"] is None, got
-        assert got["standin"] == "passed" and got["standin seconds"] < 2.0, got
+        assert got["standin"] == "passed" and got["standin seconds"] < 5.0, got  # ~20 ms; loose for loaded CI
     print("start check on the stand-in, 2 ranks:", [f"{o['standin seconds'] * 1e3:.1f} ms" for o in outs])
 
 
