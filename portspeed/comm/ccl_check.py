@@ -16,8 +16,8 @@ Contract
   then every rank raises the same ``CclCheckError``, one line naming the collective, the rank, what it got and
   wanted, and the line to paste into the adapter (``backend = "staged"`` when every collective was wrong,
   ``staged_collectives = (...)`` naming the wrong ones otherwise).
-- Skipped: the adapter declares ``ccl_verified = True``; ``PORTSPEED_CCL_CHECK=0``; the group runs on Gloo
-  (torch's own; its differences are in the router's tables) or ``fake``; one rank.
+- Skipped: the adapter declares ``ccl_verified = True``; ``PORTSPEED_CCL_CHECK=0``; the group runs on Gloo or
+  MPI (torch's own host libraries; Gloo's differences are in the router's tables) or ``fake``; one rank.
 
 Limits: float32 and SUM only (the op and dtype gaps are the router's, declared in ``backend_gaps``); a CCL
 that hangs hangs here (at the group's timeout), which is at least at the start; sub-groups are not checked.
@@ -44,8 +44,9 @@ log = logging.getLogger("portspeed.comm.ccl_check")
 #: the collectives checked, as ``staged_collectives`` names them
 CHECKED = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
            "send_recv")
-#: backends not checked: torch's own Gloo, and the fake backend (which moves nothing by design)
-UNCHECKED = frozenset({"gloo", "fake"})
+#: backends not checked: torch's own host libraries (Gloo; MPI, which frameworks use for host-side discovery), and
+#: the fake backend (which moves nothing by design)
+UNCHECKED = frozenset({"gloo", "mpi", "fake"})
 
 _count = itertools.count()  # the check's keys on the store, per default group made in this process
 #: the last check's figures (seconds, backend, result), for tests and the benchmark
