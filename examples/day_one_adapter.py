@@ -10,7 +10,10 @@ NOT HARDWARE. This class is what a vendor writes first: names only. Then:
 
 names each fault and ends with the lines to paste at the end of the class below; with them pasted it exits 0,
 and the example GPT trains in TP2 on the bare device equal to CPU TP1 (tests/test_bare_device.py;
-docs/writing-an-adapter.md, "Day one").
+docs/writing-an-adapter.md, "Day one"). With the stub CCL too (PORTSPEED_TESTDEV_BARE=all, and --suites
+device,kernels,collectives) one more line is printed, backend = "staged": every collective through the host on
+Gloo (portspeed.comm.staged); without it a multi-rank job on this file ends when its default group is made,
+naming the stub's wrong collective (portspeed.comm.ccl_check).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ __all__ = [
     "PatchStrictError",
     "UnsupportedCudaCallError",
     "CollectiveUnsupportedError",
+    "CclCheckError",
     "UnsupportedOptionError",
 ]
 
@@ -55,6 +56,10 @@ class UnsupportedCudaCallError(PortspeedError, AttributeError):
 
 class CollectiveUnsupportedError(PortspeedError):
     """A collective the active backend lacks and portspeed cannot rewrite."""
+
+
+class CclCheckError(PortspeedError):
+    """The collective library gave a wrong value in the check made when the job's default group was created."""
 
 
 class UnsupportedOptionError(PortspeedError, ValueError):

@@ -296,6 +296,11 @@ TABLE: tuple[Setting, ...] = (
     Setting("PORTSPEED_NAN_CHECK", "nan_check", parse_bool, False, f"{_B01} (default 0)",
             "a NaN in a collective's input or output is raised at that collective, naming the rank, op, group and "
             "call site (see reliability.md)", blank=True),
+    Setting("PORTSPEED_CCL_CHECK", "ccl_check", parse_bool, True, f"{_B01} (default 1)",
+            "when the job's default group is made, its CCL's collectives (all_reduce, broadcast, all_gather, "
+            "reduce_scatter, all_to_all_single, send/recv) are checked on small tensors (milliseconds); a wrong "
+            "value ends the job naming the collective and the line to paste (skipped on Gloo, and for an adapter "
+            "that declares ccl_verified = True)", blank=True),
     Setting("PORTSPEED_PROBE_DIR", "probe_dir", writable_folder, None,
             "a writable folder holding no probe dump (created if missing)",
             "the accuracy probe: module (or op) statistics in msprobe's layout (see accuracy.md); unset: no probe",

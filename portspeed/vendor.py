@@ -16,7 +16,9 @@ check it: ``portspeed conformance --adapter path/to/acme.py:Acme``. A worked fil
        name, device_type, backend (a PrivateUse1Accelerator subclass may leave backend empty)
    declared where the device falls short (``portspeed conformance`` prints the lines): total_memory_bytes (the
               device cannot say its memory), host_generator (its random ops draw from the host's generator),
-              wrong_torch_ops (portable-TE ops whose torch form is wrong on it)
+              wrong_torch_ops (portable-TE ops whose torch form is wrong on it), staged_collectives (collectives
+              its CCL lacks or gets wrong: staged through the host on Gloo, ``backend = "staged"`` for all of
+              them), ccl_verified (its CCL is proven: no check of it when the job's default group is made)
    identity:  vendor_modules, vendor_package, runs_cuda_natively, device_is_host, verified_on_hardware,
               auto_detect (PrivateUse1Accelerator), detect(), load_vendor(), vendor_installed(), describe(),
               communication_backend (``backend`` unless PORTSPEED_BACKEND overrides it)
@@ -27,7 +29,7 @@ check it: ``portspeed conformance --adapter path/to/acme.py:Acme``. A worked fil
    streams:   Stream(...), Event(...), current_stream(index), default_stream(index), stream(stream)
    memory:    memory_allocated(index), max_memory_allocated(index), memory_reserved(index),
               max_memory_reserved(index), reset_peak_memory_stats(index), memory_stats(index),
-              empty_cache(), total_memory(index)
+              empty_cache(), total_memory(index), device_total_memory(index)
    dtypes:    is_bf16_supported(), is_fp16_supported(), is_fp64_supported(), supported_dtypes()
    profiling: range_push(msg), range_pop()
 

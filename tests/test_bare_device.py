@@ -4,10 +4,13 @@ The bare variant (``PORTSPEED_TESTDEV_BARE``, portspeed/testing/testdev/bare.py)
 test device quietly does and a new vendor's device often does not (OpenReg's faults on torch 2.13): memory info,
 the PrivateUse1 shallow-copy kernel, a right fused SDPA, a device generator its random ops use, a CCL that moves
 data. examples/day_one_adapter.py is the file a vendor writes first (names only). Conformance on it names every
-fault and ends with the lines to paste; pasted, conformance exits 0 and the example GPT in TP2 on the bare device
-equals the CPU TP1 run. The Parameter identity fault is fixed by portspeed itself, detected at selection.
+fault and ends with the lines to paste (for the CCL that moves nothing: every collective staged through the host,
+portspeed.comm.staged); pasted, conformance exits 0 and the example GPT in TP2 on the bare device equals the CPU TP1
+run; without them the TP2 job ends when its default group is made, naming the CCL's wrong collective
+(portspeed.comm.ccl_check). The Parameter identity fault is fixed by portspeed itself, detected at selection.
 
-The runs are shared through module fixtures (two conformance runs); one CPU TP1 and one TP2 run.
+The runs are shared through module fixtures (two conformance runs); one CPU TP1 run, one TP2 run, and one TP2 run
+that ends at start.
 The test device is a C++ PrivateUse1 device, not hardware.
 """
 
@@ -19,9 +22,8 @@ import pytest
 
 from helpers.launch import REPO, child_json, parse_losses, run_python, torchrun
 
-#: every fault but the stub CCL (a staged host collective path, issue 36's item 1, is not written yet: with
-#: stub-ccl no TP2 run can equal TP1, whatever the adapter says)
-BARE = "no-memory-info,no-shallow-copy,wrong-sdpa,host-rng"
+#: every fault, the stub CCL included (conformance proposes the staged backend for it: portspeed.comm.staged)
+BARE = "all"
 EXAMPLE = REPO / "examples" / "day_one_adapter.py"
 TIMEOUT = 400
 ITERS = 3
@@ -29,7 +31,7 @@ ITERS = 3
 
 def _conformance(adapter: Path) -> tuple[int, str]:
     res = run_python(["-m", "portspeed.cli", "conformance", "--adapter", f"{adapter}:DayOneAccelerator",
-                      "--suites", "device,kernels"], timeout=TIMEOUT, env={"PORTSPEED_TESTDEV_BARE": BARE})
+                      "--suites", "device,kernels,collectives"], timeout=TIMEOUT, env={"PORTSPEED_TESTDEV_BARE": BARE})
     return res.returncode, res.stdout + res.stderr
 
 
@@ -42,7 +44,7 @@ def _pasted_lines(out: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str]:
-    """Conformance (device, kernels) on the day-one file as shipped, on the bare device."""
+    """Conformance (device, kernels, collectives) on the day-one file as shipped, on the bare device."""
     folder = tmp_path_factory.mktemp("day-one")
     adapter = folder / "day_one.py"
     adapter.write_text(EXAMPLE.read_text())
@@ -62,11 +64,17 @@ def pasted(first: tuple[int, str], tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.mark.testdev
 def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple[int, str]) -> None:
     """Memory info, the host generator and the wrong SDPA each fail naming what the device did; the Parameter
-    check passes saying portspeed registered the kernel; the run ends with one heading and the three lines."""
+    check passes saying portspeed registered the kernel; the stub CCL's collectives fail value for value; the run
+    ends with one heading and the four lines (the last: every collective staged through the host)."""
     rc, out = first
     assert rc == 1, out[-4000:]
     failed = {ln.split(" -- ")[0].strip() for ln in out.splitlines() if ln.startswith("  [FAIL]")}
-    assert failed == {
+    collectives = {f for f in failed if f.startswith("[FAIL] collectives: ")}
+    assert {"[FAIL] collectives: broadcast float32", "[FAIL] collectives: all_gather_into_tensor float32",
+            "[FAIL] collectives: all_reduce SUM float32 async=False", "[FAIL] collectives: isend/recv float32",
+            } <= collectives, sorted(collectives)[:20]
+    assert not any("undeclared gap" in f or "declaration that fits" in f for f in failed), sorted(collectives)
+    assert failed - collectives == {
         "[FAIL] device: the device generator is separate from the host generator",
         "[FAIL] device: get/set_rng_state replays the device's draws",
         "[FAIL] device: the device answers its total memory (get_device_properties().total_memory, mem_get_info)",
@@ -79,8 +87,9 @@ def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple
     assert "42 of the 42 torch.cuda calls the view serves" in out  # total memory degraded instead of raising
     lines = _pasted_lines(out)
     names = [ln.split("=")[0].strip() for ln in lines]
-    assert names == ["host_generator", "total_memory_bytes", "wrong_torch_ops"], lines
+    assert names == ["host_generator", "total_memory_bytes", "wrong_torch_ops", "backend"], lines
     assert lines[0] == "    host_generator = True" and lines[2] == "    wrong_torch_ops = ('attention',)", lines
+    assert lines[3] == '    backend = "staged"', lines
     assert int(lines[1].split("=")[1]) > 0
 
 
@@ -92,14 +101,16 @@ def test_with_the_lines_pasted_conformance_exits_0(pasted: tuple[Path, int, str]
     assert "random ops on the device draw from the host generator, as declared (host_generator)" in out
     assert "the portable TE's attention runs portspeed's reference, which matches" in out
     assert "total memory: the device cannot say, the adapter declares total_memory_bytes" in out
+    assert "[  ok] collectives: broadcast float32" in out and "[  ok] collectives: real_backend reports the real " \
+        "name" in out  # every collective staged through the host, right on the stub CCL's device
 
 
 @pytest.mark.testdev
 @pytest.mark.megatron
 def test_tp2_on_the_bare_device_with_the_lines_pasted_equals_cpu_tp1(pasted: tuple[Path, int, str]) -> None:
-    """The example GPT (TE spec, RMSNorm) in TP2 on the bare device with the pasted file: its losses equal CPU TP1's
-    within 1e-5 at every iteration. (With the file as shipped they are NaN: the wrong SDPA reaches the loss; not
-    run here, to keep the file's time down.)"""
+    """The example GPT (TE spec, RMSNorm) in TP2 on the bare device (every fault, the stub CCL included) with the
+    pasted file: its losses equal CPU TP1's within 1e-5 at every iteration, its collectives staged through the host.
+    (With the file as shipped the job ends at start: the next test.)"""
     from test_example_layouts import TE
     from test_megatron_core_parity import FP32_TOL, _assert_close
 
@@ -118,6 +129,24 @@ def test_tp2_on_the_bare_device_with_the_lines_pasted_equals_cpu_tp1(pasted: tup
 
     worst = _assert_close(tp2(pasted[0]), cpu, FP32_TOL, "TP2 on the bare device, lines pasted, vs CPU TP1")
     print(f"TP2 on the bare device with the pasted lines vs CPU TP1: max |diff| {worst:.3g}")
+
+
+@pytest.mark.testdev
+@pytest.mark.megatron
+def test_without_the_lines_the_tp2_job_ends_at_start_naming_the_stub_ccls_wrong_collective() -> None:
+    """The day-one file as shipped, TP2 on the bare device: the start check (portspeed.comm.ccl_check) ends the job
+    when its default group is made, before iteration 1, in one line naming the stub's wrong collective, what it got
+    and the line to paste."""
+    from test_example_layouts import TE
+
+    res = torchrun("examples/pretrain_gpt.py", 2, [*TE, "--iters", "1", "--tp", "2"], timeout=TIMEOUT,
+                   env={"PORTSPEED_ACCELERATOR": f"{EXAMPLE}:DayOneAccelerator", "PORTSPEED_TESTDEV_BARE": BARE})
+    assert res.returncode != 0 and "iteration 1" not in res.stdout, (res.stdout + res.stderr)[-3000:]
+    line = next((ln for ln in res.stderr.splitlines() if "CclCheckError: " in ln), "")
+    assert "portspeed: the collective library 'testccl' of adapter 'day-one' is wrong, found when the default " \
+           "group was made (2 ranks): all_reduce: rank " in line, res.stderr[-3000:]
+    assert "want [3, 6, 9, 12] (wrong: all_reduce, broadcast, all_gather_into_tensor" in line, line
+    assert 'paste into the adapter class DayOneAccelerator: backend = "staged"' in line, line
 
 
 _PROBE = '''

@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from packaging.version import InvalidVersion, Version
 
+from portspeed.accelerator.declarations import STAGED_BACKEND  # its table is Gloo's (below)
 from portspeed.errors import UnknownBackendError
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ __all__ = [
     "check_backend_name",
     "op_type",
     "CANONICAL_OPS",
+    "STAGED_BACKEND",
 ]
 
 #: Backend names portspeed knows, with the device type they serve. (The test backend
@@ -260,12 +262,13 @@ def _nccl(v: Version) -> list[Gap]:
 _TABLES = {
     "gloo": _gloo,
     "nccl": _nccl,
+    STAGED_BACKEND: _gloo,  # it runs each collective on Gloo (host copies of the device's tensors)
 }
 
 #: Backends with a built-in table (others go straight through unless their adapter declares gaps).
 TABLED_BACKENDS = frozenset(_TABLES)
 #: torch's backends that read a send's tensor while the send is in flight (host memory, no stream)
-_SENDS_FROM_BUFFER = frozenset({"gloo"})
+_SENDS_FROM_BUFFER = frozenset({"gloo", STAGED_BACKEND})
 _HOLD_HOST_THREADS = frozenset({"gloo"})  # torch's backends whose groups keep host threads until destroyed
 
 
@@ -277,7 +280,7 @@ def check_backend_name(name: str) -> None:
             f"{', '.join(sorted(KNOWN_BACKENDS))}"
         )
     registered = {b.lower() for b in getattr(dist.Backend, "backend_list", [])} - {"undefined"}
-    if name.lower() not in KNOWN_BACKENDS and name.lower() not in registered:
+    if name.lower() not in KNOWN_BACKENDS and name.lower() not in registered and name.lower() != STAGED_BACKEND:
         known = sorted(set(KNOWN_BACKENDS) | registered)
         raise UnknownBackendError(
             f"unknown collective backend {name!r}; known: {', '.join(known)}. A vendor backend must be "

@@ -17,13 +17,15 @@ adapter class that lacks one is refused when it is defined, and again when it is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from portspeed.accelerator.declarations import check_declarations, host_memory_bytes, unknown_total_memory
+from portspeed.accelerator.declarations import (STAGED_BACKEND, check_declarations, groups_backend,
+                                                host_memory_bytes, unknown_total_memory)
 from portspeed.errors import MissingVendorPackageError, PortspeedError
 
 if TYPE_CHECKING:
@@ -115,6 +117,12 @@ class Accelerator:
     #: this device (``portspeed conformance`` finds them): the kernel ladder skips torch for them, so the adapter's
     #: own kernel or portspeed's reference serves.
     wrong_torch_ops: ClassVar[tuple[str, ...]] = ()
+    #: Collectives (``declarations.STAGEABLE``) the adapter's CCL lacks or gets wrong: staged through the host on
+    #: Gloo (``portspeed.comm.staged``), the rest on ``backend``; its groups run on ``staged`` (``groups_backend``). ``backend =
+    #: "staged"`` stages them all. ``portspeed conformance`` prints the line.
+    staged_collectives: ClassVar[tuple[str, ...]] = ()
+    #: The CCL is proven (conformance, hardware): no check of its collectives when the job's default group is made.
+    ccl_verified: ClassVar[bool] = False
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
         """Refuse, when the class is defined, a concrete adapter that lacks a required member."""
@@ -350,7 +358,8 @@ class Accelerator:
 
     def owns_backend(self, backend: str) -> bool:
         """Whether ``backend`` is this adapter's own, the one ``backend_gaps`` describes."""
-        return backend.lower() == self.default_backend().lower()
+        low = backend.lower()
+        return low == self.default_backend().lower() or (low == STAGED_BACKEND and bool(self.staged_collectives))
 
     def capabilities(self, backend: str | None = None) -> Capabilities:
         """What ``backend`` (default: this adapter's) lacks: the router's table for its groups.
@@ -360,10 +369,13 @@ class Accelerator:
         """
         from portspeed.accelerator.capabilities import capabilities_for
 
-        name = (backend or self.communication_backend).lower()
-        if self.backend_gaps is not None and self.owns_backend(name):
-            return self.backend_gaps.capabilities(name, adapter=self.name)
-        return capabilities_for(name)
+        name = (backend or groups_backend(self)).lower()
+        caps = (self.backend_gaps.capabilities(name, adapter=self.name)
+                if self.backend_gaps is not None and self.owns_backend(name) else capabilities_for(name))
+        if name == STAGED_BACKEND and caps.groups_hold_host_threads:
+            # a Python c10d group: torch 2.13 cannot destroy one sub-group of it (as the stand-in CCL's)
+            caps = dataclasses.replace(caps, groups_hold_host_threads=False)
+        return caps
 
     def describe(self) -> dict[str, Any]:
         """A summary for `portspeed info` and loss records."""

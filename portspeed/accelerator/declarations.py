@@ -1,7 +1,8 @@
 """What an adapter declares where its device falls short, checked when the class is defined, and the stated value
 ``total_memory`` answers for a device that cannot say its memory.
 
-The declarations (``Accelerator.total_memory_bytes``, ``host_generator``, ``wrong_torch_ops``) are what
+The declarations (``Accelerator.total_memory_bytes``, ``host_generator``, ``wrong_torch_ops``, ``staged_collectives``,
+``ccl_verified``) are what
 ``portspeed conformance`` prints for a device that lacks something; this module refuses one of the wrong kind,
 naming the attribute (``check_declarations``), and holds the one degraded answer of the contract's defaults:
 ``unknown_total_memory`` (the declared figure, else the host's physical memory, said once per adapter).
@@ -13,7 +14,15 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["check_declarations", "host_memory_bytes", "unknown_total_memory"]
+__all__ = ["STAGED_BACKEND", "STAGEABLE", "check_declarations", "groups_backend", "host_memory_bytes", "unknown_total_memory"]
+
+#: portspeed's own c10d backend for any device: each collective staged through the host on Gloo
+#: (``portspeed.comm.staged``)
+STAGED_BACKEND = "staged"
+#: the collectives ``staged_collectives`` may name: each goes through the host on Gloo (``portspeed.comm.staged``)
+#: while the others stay on the adapter's own backend (``send_recv``: send, recv and batch_isend_irecv together)
+STAGEABLE = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send_recv", "barrier")
 
 
 def check_declarations(cls: type, error: type[Exception]) -> None:
@@ -33,6 +42,29 @@ def check_declarations(cls: type, error: type[Exception]) -> None:
             raise error(f"{where}: wrong_torch_ops names {', '.join(map(repr, unknown))}, not an operation of the "
                         f"portable Transformer Engine; name some of {', '.join(TE_KERNEL_OPS)}")
         cls.wrong_torch_ops = names
+    staged = cls.__dict__.get("staged_collectives")
+    if staged is not None:
+        names = (staged,) if isinstance(staged, str) else tuple(staged)
+        unknown = [n for n in names if n not in STAGEABLE]
+        if unknown:
+            raise error(f"{where}: staged_collectives names {', '.join(map(repr, unknown))}, not a collective the "
+                        f"staged backend serves; name some of {', '.join(STAGEABLE)} (or declare backend = 'staged' "
+                        "for all of them)")
+        cls.staged_collectives = names
+    verified = cls.__dict__.get("ccl_verified")
+    if verified is not None and type(verified) is not bool:
+        raise error(f"{where}: ccl_verified = {verified!r}; give True (the CCL is proven: no check of its "
+                    "collectives when the job's default group is made) or False")
+
+
+def groups_backend(acc: Any) -> str:
+    """The backend the router creates ``acc``'s groups on: its ``communication_backend``, or ``staged`` when it
+    declares ``staged_collectives`` (the staged backend then carries its own backend for the other collectives);
+    PORTSPEED_BACKEND naming another backend wins."""
+    backend = acc.communication_backend
+    if acc.staged_collectives and backend.lower() == acc.default_backend().lower():
+        return STAGED_BACKEND
+    return backend
 
 
 _warned_memory: set[str] = set()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from portspeed.accelerator.capabilities import KNOWN_BACKENDS
+from portspeed.accelerator.declarations import STAGED_BACKEND, groups_backend
 from portspeed.errors import UnknownBackendError
 
 __all__ = ["map_backend", "real_backend", "requested_backend"]
@@ -45,8 +46,10 @@ def _accelerator() -> Any:
 
 
 def _map_one(name: str, acc: Any) -> str:
-    target = acc.communication_backend
+    target = groups_backend(acc)
     low = name.strip().lower()
+    if low == STAGED_BACKEND:
+        return low  # portspeed's own backend (registered for the device when a group is made: groups.py)
     if low == target or low in ("gloo", "mpi"):
         return low
     device = KNOWN_BACKENDS.get(low)
@@ -68,7 +71,7 @@ def _map_one(name: str, acc: Any) -> str:
 def map_backend(requested: str | None, accelerator: Any = None) -> str | None:
     """The backend to create a group with, for the ``requested`` name on the active adapter."""
     acc = accelerator if accelerator is not None else _accelerator()
-    target = acc.communication_backend
+    target = groups_backend(acc)
     if requested is None:
         if acc.runs_cuda_natively and target == "nccl":
             return None  # nothing changes where CUDA runs natively: torch picks its own default

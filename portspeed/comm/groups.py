@@ -9,7 +9,8 @@ path reads (``_CAPS``) in step with the groups that exist.
 Contract
 - ``init_process_group`` / ``new_group``: the backend is mapped (``backends.map_backend``),
   NCCL-only ``pg_options`` meant for another backend are dropped, the requested name is
-  remembered (a sub-group created without a backend inherits the default group's name);
+  remembered (a sub-group created without a backend inherits the default group's name); the default
+  group's collectives are checked once on small tensors (``ccl_check``: a wrong CCL stops the job there);
   a group whose real backend is Gloo is created lazily (``gloo_init.lazy_gloo``: its ranks
   connect at its first collective), unless ``PORTSPEED_GLOO_LAZY_INIT=0`` or the user set
   ``TORCH_GLOO_LAZY_INIT``.
@@ -34,7 +35,8 @@ from typing import Any, Callable
 
 from torch.distributed import distributed_c10d as c10d
 
-from portspeed.comm import backends, nan_check, trace_torch
+from portspeed.accelerator.declarations import STAGED_BACKEND
+from portspeed.comm import backends, ccl_check, nan_check, staged, trace_torch
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo
@@ -87,6 +89,7 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
         args[7] = _drop_foreign_options(args[7], asked, mapped)
     elif "pg_options" in kwargs:
         kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
+    _register_staged(mapped)
     trace_torch.before_init(mapped)  # PORTSPEED_TRACE on NCCL: torch's own flight recorder too (set before the group)
     nan_check.before_init()  # PORTSPEED_NAN_CHECK on torch >= 2.15: torch's NanCheckHook on every group it makes
     with lazy_gloo(mapped):
@@ -95,6 +98,7 @@ def wrap_init_process_group(wrapped: Callable, instance: Any, args: tuple, kwarg
         _CAPS.clear()
         if asked is not None:
             backends.remember(c10d._get_default_group(), asked)
+    ccl_check.check_default_group(_accelerator())  # a wrong CCL stops the job here (PORTSPEED_CCL_CHECK)
     return result
 
 
@@ -115,6 +119,7 @@ def wrap_new_group(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
             args[3] = _drop_foreign_options(args[3], asked, mapped)
         elif "pg_options" in kwargs:
             kwargs["pg_options"] = _drop_foreign_options(kwargs["pg_options"], asked, mapped)
+    _register_staged(mapped)
     with lazy_gloo(mapped if mapped is not None else _default_real()):
         group = wrapped(*args, **kwargs)
     name = asked if asked is not None else inherited
@@ -122,6 +127,12 @@ def wrap_new_group(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
         with _lock:
             backends.remember(group, name)
     return group
+
+
+def _register_staged(mapped: Any) -> None:
+    """Register portspeed's ``staged`` backend for the adapter's device when a group is made on it."""
+    if isinstance(mapped, str) and STAGED_BACKEND in mapped.lower():
+        staged.register(_accelerator().device_type)
 
 
 def _default_real() -> str | None:

@@ -37,9 +37,11 @@ import os
 import sys
 from typing import Any
 
+from portspeed.accelerator.declarations import groups_backend
 from portspeed.conformance import gaps
 from portspeed.conformance.rank import Rank
 from portspeed.conformance.report import Report
+from portspeed.conformance.staging import propose
 
 __all__ = ["rank_main", "run_collective_checks"]
 
@@ -286,10 +288,14 @@ def rank_main(argv: list[str] | None = None) -> int:
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     acc.set_device(rank)
     r = Rank(rank, n, acc.device())
-    real = acc.communication_backend
+    real = groups_backend(acc)  # staged when it declares staged_collectives
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0, timeout=timeout)
 
+    if real == "staged":  # portspeed's own backend: registered for the device (the router does it when routed)
+        from portspeed.comm import staged
+
+        staged.register(acc.device_type)
     if args.declared_gaps and not args.replay:
         dist.init_process_group(backend=real, rank=rank, world_size=n, timeout=timeout,
                                 store=dist.PrefixStore("raw", store))
@@ -328,7 +334,7 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 def _own_declaration(acc: Any) -> Any:
     """The adapter's BackendGaps where its groups run on its own backend (else None: the backend's defaults apply)."""
-    return acc.backend_gaps if acc.backend_gaps is not None and acc.owns_backend(acc.communication_backend) else None
+    return acc.backend_gaps if acc.backend_gaps is not None and acc.owns_backend(groups_backend(acc)) else None
 
 
 def run_collective_checks(adapter: str, report: Report, nproc: int = 2, timeout: float = 300,
@@ -339,7 +345,8 @@ def run_collective_checks(adapter: str, report: Report, nproc: int = 2, timeout:
     from portspeed.testing import run_ranks
 
     argv = ["-m", "portspeed.conformance.collectives"] + (["--declared-gaps"] if declared_gaps else [])
-    res = run_ranks(argv, nproc, timeout=timeout, env={"PORTSPEED_ACCELERATOR": adapter})
+    # PORTSPEED_CCL_CHECK=0: the start check would stop a wrong library before this suite names each call
+    res = run_ranks(argv, nproc, timeout=timeout, env={"PORTSPEED_ACCELERATOR": adapter, "PORTSPEED_CCL_CHECK": "0"})
     seen: dict[str, list[str]] = {}
     keys: dict[str, tuple] = {}
     results: list[dict] = []
@@ -356,8 +363,14 @@ def run_collective_checks(adapter: str, report: Report, nproc: int = 2, timeout:
                 keys[c["check"]] = tuple(c["key"])
             if not c["ok"]:
                 seen[c["check"]].append(f"rank {r.rank}: {c['detail']}")
-    declared = _own_declaration(adapter_class(adapter)())
+    acc = adapter_class(adapter)()
+    declared = _own_declaration(acc)
     findings, explained, why = gaps.suggest(results, declared)
+    staging = propose(results, acc)  # wrong values, or a missing collective: stage them (a line to paste)
+    if staging is not None:
+        report.declare(*staging)
+        if staging[0] == "backend":
+            findings, explained = [], set()  # every collective staged: no BackendGaps item of the library applies
     for name, problems in seen.items():
         if problems and keys.get(name) in explained:
             continue  # said below, as the declaration to write
