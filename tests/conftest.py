@@ -98,7 +98,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         launch.start_warm(Path(tempfile.mkdtemp(prefix="portspeed-warm-")))
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from helpers import launch
+
+    if launch.WARM is not None:
+        terminalreporter.write_line(launch.WARM.summary())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
     from helpers import launch
 
     launch.stop_warm()

@@ -18,6 +18,7 @@ interpreter instead, as does every request when the servers are gone.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -43,8 +44,21 @@ class WarmPython:
         """What a child's environment needs so that torchrun starts its ranks warm too."""
         return {"PYTHON_EXEC": self.python}
 
+    def summary(self) -> str:
+        """One line: how many child Pythons were forked warm, how many ran cold and the commonest reason."""
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.is_file() else []
+        warm = sum(ln.startswith("warm python: warm:") for ln in lines)
+        cold = [ln.split("cold: ", 1)[1] for ln in lines if ln.startswith("warm python: cold:")]
+        reasons: dict[str, int] = {}
+        for c in cold:
+            key = c.split(" -")[0][:80]
+            reasons[key] = reasons.get(key, 0) + 1
+        top = max(reasons, key=reasons.__getitem__) if reasons else ""
+        return (f"warm python: {warm} child Pythons forked warm, {len(cold)} started cold"
+                + (f" (most often: {top})" if top else ""))
+
     def close(self) -> None:
-        """Stop the servers (their running children are not affected)."""
+        """Stop the servers (their running children are not affected) and remove their folder."""
         for s in self.servers:
             s.terminate()
         for s in self.servers:
@@ -52,6 +66,7 @@ class WarmPython:
                 s.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 s.kill()
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
 def start(executable: str, env: Mapping[str, str], folder: Path, servers: int = 2,
