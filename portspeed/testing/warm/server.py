@@ -31,6 +31,7 @@ import struct  # noqa: E402
 import warnings  # noqa: E402
 
 _SERVER_FILE = __file__
+_PARENT = os.getppid()  # the test session; when it is gone, so is this server
 _START_ENV = dict(os.environ)  # what this server started with; its imports may add variables (``_ADDED``)
 _ADDED: dict = {}
 _DEFAULT_FILTERS = list(warnings.filters)  # before any import adds its own: what a fresh interpreter has
@@ -207,7 +208,9 @@ def serve(path):
     threads = len(os.listdir("/proc/self/task"))
     print(f"warm python: ready ({threads} thread(s))", flush=True)
     while True:
-        for key, _ in sel.select():
+        if os.getppid() != _PARENT:  # the test session is gone (killed): so is this server; its children run on
+            sys.exit(0)
+        for key, _ in sel.select(timeout=5.0):
             kind, data = key.data
             if kind == "accept":
                 conn, _ = listener.accept()
