@@ -45,12 +45,14 @@ PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distri
            "torch.distributed.elastic.agent.server.local_elastic_agent", "torch.distributed.checkpoint",
            "torch.distributed.fsdp", "torch.utils.data", "torch.testing", "torch.nn.attention",
            "torch.distributed.algorithms.join", "numpy", "sympy")
-#: environment variables a fresh interpreter or ``import torch`` reads at start-up: a request whose value
+#: environment variables read while the interpreter starts or the preloaded modules import (the interpreter's,
+#: the C and OpenMP runtimes', torch's logging, JIT, dynamo and inductor configuration): a request whose value
 #: differs from the server's is run cold (PYTHONPATH, PYTHONWARNINGS, PYTHONFAULTHANDLER, PYTHONUNBUFFERED and
-#: PYTHONDONTWRITEBYTECODE are applied per child instead)
-_STARTUP_PREFIXES = ("PYTHON", "PYTORCH_", "TORCH_LOGS", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE",
+#: PYTHONDONTWRITEBYTECODE are applied per child instead). Variables torch reads when a call asks (e.g.
+#: PYTORCH_NVML_BASED_CUDA_CHECK, which importing DeepSpeed sets in the test session) are the child's own.
+_STARTUP_PREFIXES = ("PYTHON", "PYTORCH_JIT", "TORCH_LOGS", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE",
                      "TORCH_CPP_LOG", "TORCH_SHOW_CPP", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "TRITON_",
-                     "CUDA_", "MALLOC_", "NUMPY_")
+                     "MALLOC_", "NUMPY_")
 _PER_CHILD = {"PYTHONPATH", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
               "PYTHON_EXEC"}
 _FLAGS = {"-u", "-B"}
