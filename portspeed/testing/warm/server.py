@@ -155,7 +155,12 @@ def _become(req, fds, listener, sel):
     sys.dont_write_bytecode = "-B" in flags or bool(env.get("PYTHONDONTWRITEBYTECODE"))
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in _BASE_PATH if p not in _OWN_PYTHONPATH]
-    first = {"-c": "", "-m": os.getcwd()}.get(mode) or os.path.dirname(os.path.realpath(target))
+    if mode == "-c":
+        first = ""
+    elif mode == "-m":
+        first = os.getcwd()
+    else:
+        first = os.path.dirname(os.path.realpath(target))
     sys.path[:] = [first, *extra, *base]
     warnings.filters[:] = _DEFAULT_FILTERS
     warnings._filters_mutated()
@@ -288,5 +293,5 @@ if __name__ == "__main__":
         _tb = _exc.__traceback__
         while _tb is not None and _tb.tb_frame.f_code.co_filename == _SERVER_FILE:
             _tb = _tb.tb_next  # the user's frames only, as a fresh interpreter shows them
-        sys.excepthook(type(_exc), _exc, _tb)
+        sys.excepthook(type(_exc), _exc.with_traceback(_tb), _tb)
         sys.exit(1)
