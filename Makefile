@@ -145,9 +145,11 @@ leg2-deps: venv312
 	$(MAKE) --no-print-directory $(BRIDGE_STAMP)
 test-leg2: leg2-deps
 	@$(MAKE) --no-print-directory run-leg2
+## (leg 2's hook tests start every child cold: on torch 2.15 a warm child printed nanobind's reference-leak
+## report at exit, into the lines these tests read, and 8 of 15 failed; not yet resolved)
 run-leg2:
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m "$(LEG2_MARKS)" $(LEG2_TESTS)
-	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m torch_hooks $(LEG2_HOOK_TESTS)
+	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) --cold-python -m torch_hooks $(LEG2_HOOK_TESTS)
 
 ## torch 2.14.1 on leg 2's stack (Python 3.12, megatron-core 0.19.2, DeepSpeed 0.19.8, the Bridge), by hand since
 ## CI's leg 2 moved to torch 2.15.0: its own venv, leg 2's constraints with only the torch pin moved, leg 2's tests.
