@@ -13,16 +13,20 @@ common over the hundreds of processes of a CI run (docs/reliability.md, "The abo
 What: ``install()`` registers one ``atexit`` handler (``portspeed`` does at import, so it runs after
 every handler registered later: the flight recorder's and the probe's exit dumps come first). At exit
 it destroys every group still registered (Megatron's ``destroy_model_parallel`` first, so that its module
-globals let go of theirs), in a helper thread joined for at most ``BOUND_S`` seconds, so the backends'
-threads finish and release their tensors while the interpreter can still take them.
+globals let go of theirs), so the backends' threads finish and release their tensors while the interpreter
+can still take them. It does so on the exiting thread: Python 3.12 refuses to start threads once the
+interpreter is shutting down ("can't create new thread at interpreter shutdown"), atexit handlers included.
+The wait is bounded by ``faulthandler.dump_traceback_later`` (its watchdog is C's, not a Python thread):
+after ``BOUND_S`` seconds it prints every thread's stack, this handler's frame on top, and exits 1.
 
 Limits: torch's ``destroy_process_group`` stops a Gloo group's threads only when the last Python reference
 to the group goes; a group some other object still holds (a model wrapper's attribute) keeps them into
 finalization, where a collective still in flight there (one issued asynchronously and never waited) can
 still abort as before.
 Not when the process is ending on an uncaught exception (``sys.last_value``): a failing rank's
-groups may hold a collective its peers never join, and it must not wait for them. A group that is
-still busy after the bound is left as it was, with one line on stderr.
+groups may hold a collective its peers never join, and it must not wait for them. A group still busy
+after the bound (a collective whose peers never joined) ends the process with exit status 1 and the
+stacks on stderr: the job did not finish cleanly, and the launcher is told so.
 """
 
 from __future__ import annotations
@@ -58,25 +62,17 @@ def destroy_leftover_groups(bound_s: float = BOUND_S) -> bool:
             return False
     except Exception:  # noqa: BLE001 - a torch without the distributed package built
         return False
-    failure: list[BaseException] = []
+    import faulthandler
 
-    def destroy() -> None:
-        try:
-            _forget_megatron_groups()
-            c10d.destroy_process_group()
-        except BaseException as exc:  # noqa: BLE001 - reported below, never raised at exit
-            failure.append(exc)
-
-    worker = threading.Thread(target=destroy, name="portspeed-exit-teardown", daemon=True)
-    worker.start()
-    worker.join(bound_s)
-    if worker.is_alive():
-        print(f"portspeed: the process groups were still busy {bound_s:.0f} s into the exit (a collective whose "
-              "peers never joined); leaving without destroying them", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(bound_s, exit=True)  # still busy then: the stacks on stderr, exit 1
+    try:
+        _forget_megatron_groups()
+        c10d.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - reported, never raised at exit
+        print(f"portspeed: destroying the process groups at exit failed: {exc!r}", file=sys.stderr, flush=True)
         return False
-    if failure:
-        print(f"portspeed: destroying the process groups at exit failed: {failure[0]!r}", file=sys.stderr, flush=True)
-        return False
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     return True
 
 

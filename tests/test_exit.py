@@ -62,3 +62,49 @@ def test_exit_teardown_is_installed_by_import_and_leaves_failing_ranks_alone() -
                           "left": dist.is_initialized()}))
     ''', timeout=300)
     assert got == {"registered": 1, "kept": False, "destroyed": True, "left": False}
+
+
+def test_leftover_groups_are_destroyed_at_the_interpreters_own_exit() -> None:
+    """At the real exit, not called by hand: Python 3.12 refuses new threads once shutdown has begun, atexit
+    included, so the handler works on the exiting thread (leg 2 runs this on 3.12, leg 1 on 3.11)."""
+    res = run_snippet('''
+        import atexit, datetime, sys
+        import torch, torch.distributed as dist
+        atexit.register(lambda: print("left at exit:", dist.is_initialized(), flush=True))  # runs after portspeed's
+        import portspeed
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=30))
+        dist.all_reduce(torch.ones(4))
+    ''', timeout=300)
+    assert res.returncode == 0 and "left at exit: False" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]
+    assert "Exception ignored" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
+def test_a_group_still_busy_at_exit_ends_the_process_after_the_bound_with_its_stack() -> None:
+    """Rank 0 leaves a collective rank 1 never joins: the exit waits at most the bound (3 s here), then prints the
+    stacks, the handler's frame named, and exits 1, rather than hanging or reporting a clean exit."""
+    res = run_snippet('''
+        import atexit, datetime, os, sys, time
+        import torch, torch.distributed as dist
+        import portspeed
+        from portspeed import teardown
+        from portspeed.testing import free_port
+        port = free_port()
+        rank = 0 if os.fork() else 1
+        if rank == 1:  # a peer that stays alive and never joins; its streams closed so the launcher does not wait
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+        dist.barrier()
+        if rank == 1:
+            time.sleep(15)
+            os._exit(0)
+        dist.all_reduce(torch.ones(4), async_op=True)
+        atexit.unregister(teardown.destroy_leftover_groups)
+        atexit.register(teardown.destroy_leftover_groups, 3.0)
+        print("rank 0 done", flush=True)
+    ''', timeout=300)
+    assert res.returncode == 1 and "rank 0 done" in res.stdout, res.stdout[-1000:] + res.stderr[-2000:]
+    assert "Timeout (0:00:03)!" in res.stderr and "teardown.py" in res.stderr, res.stderr[-2000:]

@@ -92,9 +92,6 @@ def test_attention_case_row_and_table() -> None:
     assert f"{rows[0]['time_s'] / rows[1]['time_s']:.3f}" in line and rows[0]["backend"] in line
 
 
-# cold: it removes the install's finder from sys.meta_path; a warm child failed to import portspeed.adapters
-# from the tree (cause not yet found, 2026-11-29)
-@pytest.mark.cold_python
 def test_portspeed_imports_from_the_tree_alone() -> None:
     """Without the install's finder, the gpu_site folder makes portspeed.adapters / .patches import from the tree."""
     code = ("import sys\n"

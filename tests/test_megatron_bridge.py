@@ -96,9 +96,6 @@ def test_training_step_equals_tp1(report: dict[str, Any], model: str, layout: st
             assert abs(r[key] - ref[key]) <= FP32_TOL, f"{model} {layout} {key}: {r[key]} vs TP1 {ref[key]}"
 
 
-# cold: warm, the last traceback in stderr lacked the Bridge's message (the rank-prefixed copy printed it; cause
-# not yet found, 2026-11-29)
-@pytest.mark.cold_python
 def test_unknown_architecture_fails_with_the_bridges_message(tmp_path: Path) -> None:
     """An architecture the Bridge has no bridge for: its ValueError, raised in megatron.bridge, not in portspeed."""
     _require_bridge()

@@ -40,9 +40,6 @@ BACKENDS = {"cpu": ({"PORTSPEED_ACCELERATOR": "cpu"}, True),
 
 @pytest.mark.multiproc
 @pytest.mark.torch_hooks
-# cold: with warm ranks the standin case named rank 0 where rank 1 was planted (a race in which rank is
-# seen first; not yet found, 2026-11-29)
-@pytest.mark.cold_python
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=[pytest.mark.testdev] if b == "testdev" else [])
                                      for b in BACKENDS])
 def test_nan_is_named_at_the_collective(backend: str) -> None:

@@ -51,8 +51,6 @@ WAYS = {
 }
 
 
-# cold: with warm ranks the off-on-rank-1 case failed (which rank ends first; not yet found, 2026-11-29)
-@pytest.mark.cold_python
 @pytest.mark.parametrize("way", WAYS)
 def test_a_rank_that_never_records_is_named_and_the_job_ends(way: str, tmp_path: Path) -> None:
     """The job ends (exit 1, as a hang), and its closing lines name the rank that never recorded and why."""

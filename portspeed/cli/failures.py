@@ -23,7 +23,9 @@ on whether the agent saw the first death before the survivor's error (a rank tha
 and a peer that raises on the broken connection a moment later: CI's stand-in op mismatch). Once a
 worker has failed, the agent's poll is held back until every worker has ended, or ``GRACE_S`` passed
 (or the hang watchdog ended the job); only then does torchrun stop what is left. The first failure is
-the first one seen ending (the poll's time, then torchrun's order below), whatever poll saw it.
+the one whose script failed first: each worker notes that time beside torchrun's error file
+(``worker.note_failure_time``); a worker that died without a Python exception (a signal, ``os._exit``) is
+placed by the poll that first saw it ended, then torchrun's order below.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _reap(pid: int) -> None:
 
 def _let_the_rest_end(agent: Any, ended: dict[int, float]) -> None:
     """When a worker has failed and others still run, wait (``GRACE_S`` at most) until every worker has ended,
-    noting in ``ended`` (local rank -> monotonic time) when each was first seen ended. Reads the agent's
+    noting in ``ended`` (local rank -> ns since the epoch) when each was first seen ended. Reads the agent's
     subprocess handles (``Popen.poll``: what torchrun's own poll reads); anything else: torchrun as it is."""
     handlers = getattr(getattr(agent, "_pcontext", None), "subprocess_handlers", None)
     if not isinstance(handlers, dict):
@@ -92,7 +94,7 @@ def _let_the_rest_end(agent: Any, ended: dict[int, float]) -> None:
         return
 
     def look() -> bool:  # whether one has failed
-        failed, now = False, time.monotonic()  # those seen ended in the same look are tied
+        failed, now = False, time.time_ns()  # those seen ended in the same look are tied
         for lr, p in procs.items():
             code = p.poll()
             if code is not None and lr not in ended:
@@ -110,6 +112,20 @@ def _let_the_rest_end(agent: Any, ended: dict[int, float]) -> None:
         look()
 
 
+def _failed_at(failure: Any) -> int | None:
+    """When the worker's script failed (ns since the epoch), as the worker noted it beside its error file."""
+    from portspeed.cli.worker import FAILED_AT_FILE
+
+    error_file = getattr(failure, "error_file", "") or ""
+    if not error_file or error_file == os.devnull:
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(error_file), FAILED_AT_FILE)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 @contextlib.contextmanager
 def watch_failures() -> Iterator[list[Failure]]:
     """Collect every failed worker the local agent sees, attempt by attempt, while the block runs."""
@@ -125,9 +141,11 @@ def watch_failures() -> Iterator[list[Failure]]:
         if result.failures:
             attempt = worker_group.spec.max_restarts - getattr(self, "_remaining_restarts", worker_group.spec.max_restarts)
             # the root cause first: the agent stops the others with SIGTERM after the grace, so a SIGTERM exit
-            # sorts after any other failure; then the one seen ending first (timestamps are whole seconds)
+            # sorts after any other failure; then the one whose script failed first, else the one seen ending
+            # first (torchrun's timestamps are whole seconds)
             def order(kv: Any) -> tuple:
-                return (kv[1].exitcode == -signal.SIGTERM, ended.get(int(kv[1].local_rank), float("inf")),
+                local = int(kv[1].local_rank)
+                return (kv[1].exitcode == -signal.SIGTERM, _failed_at(kv[1]) or ended.get(local, float("inf")),
                         kv[1].timestamp, kv[0])
 
             for rank, failure in sorted(result.failures.items(), key=order):

@@ -175,6 +175,9 @@ def _watch(folder: str, hang_s: float, hang: Hang, stop: threading.Event) -> Non
         quiet = now - max([started, *(m for _, m in beats.values())])
         if not never and not (beats and quiet >= hang_s):
             continue
+        # ending the job: every rank that records nothing is named, also one idle for less than hang_s (its note
+        # is rewritten once a second, so it can trail the quiet of the ranks it left waiting)
+        never = {r: u for r, u in silent.items() if not u.starting}
         hang.fired, hang.quiet_s, hang.ranks = True, quiet, len(beats) + len(silent)
         hang.unrecorded = {r: u.why for r, u in sorted(never.items())}
         for why, ranks in _by_reason(hang.unrecorded).items():

@@ -32,15 +32,18 @@ import importlib
 import importlib.util
 import os
 import sys
+import time
 import types
 from typing import Any
 
-__all__ = ["main", "ADAPTOR_ENV", "TARGET_ENV"]
+__all__ = ["main", "ADAPTOR_ENV", "TARGET_ENV", "FAILED_AT_FILE"]
 
 #: the adaptor module imported in the worker ("none": none); spawned children read it
 ADAPTOR_ENV = "PORTSPEED_RUN_ADAPTOR"
 #: "path:<abs script>" or "module:<name>": what a spawned child re-runs as __mp_main__
 TARGET_ENV = "PORTSPEED_RUN_TARGET"
+#: beside torchrun's per-worker error file: when the script failed (``note_failure_time``)
+FAILED_AT_FILE = "portspeed-failed-at"
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -126,7 +129,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.path[0] = os.path.dirname(target[len("path:"):])
     sys.argv = [what, *script_args]
     _record_from_launch(opts.adaptor)
-    _run_as_main(target)
+    try:
+        _run_as_main(target)
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
+            note_failure_time()
+        raise
+
+
+def note_failure_time() -> None:
+    """Write when this rank's script failed (ns since the epoch) beside torchrun's error file, for the launcher's
+    closing line: of two ranks whose endings its poll sees together, the one whose script failed first is the
+    root cause (a peer's error on the connection the first one broke comes later)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return
+    try:
+        with open(os.path.join(os.path.dirname(error_file), FAILED_AT_FILE), "w") as f:
+            f.write(str(time.time_ns()))
+    except OSError:
+        pass  # the closing line then orders this rank by when its ending was seen
 
 
 def _spawned_child() -> None:
