@@ -61,7 +61,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from portspeed import config as ps_config
 from portspeed import get_accelerator
 import portspeed.comm as ps_comm
-from portspeed.megatron_adaptor import open_loss_log
+from portspeed.parity.losslog import open_loss_log
 
 from gpt_args import parse_args
 from gpt_checkpoint import load_checkpoint, save_checkpoint, sharded_state  # noqa: F401 (generate_gpt)
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if report:
         layout = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "vpp": args.vpp}
         writer = open_loss_log(args.loss_log, layout, "bf16" if args.bf16 else "fp32",
-                               backend=dist.get_backend())
+                               backend=dist.get_backend(), accelerator=get_accelerator().name)
         if writer is not None:
             writer.record.meta["model"] = model_meta(args)
     rank = dist.get_rank()

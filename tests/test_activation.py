@@ -146,6 +146,20 @@ def test_bad_environment_fails_at_the_adaptor_import(tmp_path: Path) -> None:
         assert words in res.stderr, res.stderr[-2000:]
 
 
+def test_the_integration_modules_import_without_checking_or_arming(tmp_path: Path) -> None:
+    """Importing ``portspeed.integrations.megatron`` / ``.deepspeed`` only defines: no check, no trigger, no hook;
+    the adaptor's import is what checks and arms."""
+    got = child_json('''
+        import json, sys
+        import portspeed
+        import portspeed.integrations.deepspeed, portspeed.integrations.megatron
+        from portspeed.integrations import activation
+        print(json.dumps({"waiting": activation.waiting(), "before_report": len(portspeed._before_report),
+                          "triggers": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)]}))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_STRICT="maybe"))
+    assert got == {"waiting": [], "before_report": 0, "triggers": []}
+
+
 def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
     """A known adapter whose vendor package is missing fails the framework's import (the device tier of the
     checks runs at activation; an unknown name is refused at the adaptor's import already); activate() retries it."""

@@ -22,7 +22,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "portspeed.lazy", "portspeed.teardown"),
     "patching": ("portspeed.patching",),
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
-    "comm": ("portspeed.comm", "portspeed.router"),
+    "comm": ("portspeed.comm",),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
                 "portspeed.probe", "portspeed.perf"),
     "parity": ("portspeed.parity",),
@@ -230,16 +230,3 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     """The cycle check can fail: a two-package loop (accelerator <-> comm, as before the vocabulary moved) is found."""
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None
-
-
-def test_moved_capabilities_module_is_one_module() -> None:
-    """``portspeed.comm.capabilities`` (the old name) is the very module ``portspeed.accelerator.capabilities``."""
-    import warnings
-
-    import portspeed.accelerator.capabilities as new
-    from portspeed.comm import BackendGaps
-
-    with warnings.catch_warnings():  # deprecated (tests/test_vendor.py checks the warning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import portspeed.comm.capabilities as old
-    assert old is new and BackendGaps is new.BackendGaps

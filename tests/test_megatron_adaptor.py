@@ -208,18 +208,3 @@ def test_nccl_only_options_are_dropped(tmp_path) -> None:
         print("ok")
     '''], tmp_path)
     assert "ok" in out and "high_priority_stream_groups" in out
-
-
-def test_loss_record_meta(tmp_path) -> None:
-    out = _py('''
-        import json
-        from portspeed.megatron_adaptor import open_loss_log
-        w = open_loss_log("''' + str(tmp_path / "rec.json") + '''", {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, "fp32")
-        w.add(1, 4.5, 1.25)
-        rec = json.load(open("''' + str(tmp_path / "rec.json") + '''"))
-        assert rec["meta"]["layout"] == {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, rec
-        assert rec["meta"]["accelerator"] == "cpu" and rec["meta"]["versions"]["megatron-core"]
-        assert rec["iterations"][0]["lm_loss"] == 4.5 and rec["iterations"][0]["grad_norm"] == 1.25
-        print("ok")
-    ''', tmp_path)
-    assert "ok" in out

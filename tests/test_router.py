@@ -507,21 +507,6 @@ def test_every_routed_collective_has_a_ladder_of_known_rules() -> None:
         assert ladder[-1][1](gap, R.SUM), f"the last step of {collective}'s ladder must always apply"
 
 
-def test_the_deprecated_module_warns_and_hands_back_the_same_functions() -> None:
-    """portspeed.router still works until its removal date, warning, with portspeed.comm's own functions."""
-    import importlib
-    import sys
-
-    sys.modules.pop("portspeed.router", None)
-    with pytest.warns(DeprecationWarning, match="removed after 2027-06-30; use portspeed.comm"):
-        shim = importlib.import_module("portspeed.router")
-    assert shim.REMOVAL == "2027-06-30"
-    for name in ("real_backend", "requested_backend", "map_backend", "stats", "reset_stats", "reset",
-                 "capabilities_of", "use_capabilities", "RewriteWork"):
-        assert getattr(shim, name) is getattr(comm, name), name
-    assert shim.COLLECTIVE_ROUTES is router.COLLECTIVE_ROUTES
-
-
 # ---------------------------------------------------------------------- PORTSPEED_BACKEND
 @pytest.mark.parametrize("value", ["cuda:nccl", "nccl,gloo", "gl oo"])
 def test_garbage_portspeed_backend_is_a_config_error(portspeed_env, value: str) -> None:

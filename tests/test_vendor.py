@@ -4,12 +4,9 @@ and conformance's answer to an undeclared gap (the pure part; the runs are in te
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import os
 import re
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +77,6 @@ def test_the_guide_imports_only_the_vendor_module() -> None:
     doc = (REPO / "docs" / "writing-an-adapter.md").read_text()
     imports = set(re.findall(r"^\s*from (portspeed[\w.]*) import", doc, re.M))
     assert imports == {"portspeed.vendor"}, imports
-
-
-def test_the_old_capabilities_name_warns_at_the_importing_line() -> None:
-    """``portspeed.comm.capabilities`` still works (the same module) and warns, pointing at the import."""
-    sys.modules.pop("portspeed.comm.capabilities", None)
-    import portspeed.comm as comm
-
-    comm.__dict__.pop("capabilities", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        old = importlib.import_module("portspeed.comm.capabilities")
-    hits = [w for w in seen if issubclass(w.category, DeprecationWarning) and "portspeed.vendor" in str(w.message)]
-    assert hits and old is importlib.import_module("portspeed.accelerator.capabilities")
-    assert old.BackendGaps is BackendGaps
 
 
 # ------------------------------------------------------------------ required members

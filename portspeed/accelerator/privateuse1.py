@@ -5,7 +5,7 @@ by renaming PrivateUse1), a device module (``torch._register_device_module``, so
 ``torch.get_device_module(<type>)`` answers) and a c10d backend for its device type
 (``Backend.register_backend(..., devices=[<type>])``). Everything portspeed needs can be
 read from those three, so a vendor adapter is a subclass that sets names only (vendors import it
-from ``portspeed.vendor``; ``portspeed.adapters.privateuse1`` is its old name, kept)::
+from ``portspeed.vendor``)::
 
     class AcmeAccelerator(PrivateUse1Accelerator):
         name = "acme"

@@ -72,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "points (default 10)")
     p.add_argument("--chrome", default=None, metavar="FILE",
                    help="--perf: also write RUN's timeline as a Chrome trace (Perfetto, chrome://tracing)")
-    p.add_argument("--layers", action="store_true", help="replaced by --probe (docs/accuracy.md)")
     return p
 
 
@@ -255,10 +254,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # argparse already printed the usage error
         return EXIT_BAD_INPUT if e.code else EXIT_OK
-    if args.layers:
-        from portspeed.parity.layerstats import REPLACED_BY
-        print(f"portspeed compare: error: {REPLACED_BY}", file=err)
-        return EXIT_BAD_INPUT
     if args.perf:
         return _main_perf(args, out, err)
     if args.threshold is not None or args.chrome is not None:

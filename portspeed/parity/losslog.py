@@ -1,5 +1,7 @@
 """Loss records: read Megatron training logs and portspeed JSON loss records, write records.
 
+A training script writes its record with ``open_loss_log`` (``PORTSPEED_LOSS_LOG`` or an explicit path).
+
 A *loss record* is the one thing `portspeed compare` compares. It is a JSON file::
 
     {"meta": {"backend": "gloo", "accelerator": "cpu", "layout": {"tp": 2, "pp": 1, "dp": 1, "vpp": null},
@@ -38,7 +40,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from portspeed.errors import PortspeedError
 
@@ -47,6 +49,8 @@ __all__ = [
     "LossRecord",
     "LossLogError",
     "LossRecordWriter",
+    "loss_record_meta",
+    "open_loss_log",
     "parse_megatron_log",
     "read_record",
     "record_from_json",
@@ -366,6 +370,34 @@ class LossRecordWriter:
         return write_record(self.record, self.path)
 
 
-def iter_records(paths: Iterable[str | os.PathLike[str]]) -> list[LossRecord]:
-    """read_record over several paths (convenience for tools)."""
-    return [read_record(p) for p in paths]
+def loss_record_meta(layout: Mapping[str, Any], dtype: str, *, backend: str, accelerator: str) -> dict[str, Any]:
+    """The ``meta`` block of a loss record: the adapter and backend the caller names, this process's versions."""
+    from portspeed.versions import distribution_version
+
+    versions = {}
+    for d in ("torch", "megatron-core", "portspeed"):
+        v = distribution_version(d)
+        versions[d] = None if v is None else str(v)
+    return {
+        "backend": backend,
+        "accelerator": accelerator,
+        "layout": {k: (None if layout.get(k) is None else int(layout[k])) for k in ("tp", "pp", "dp", "vpp")},
+        "dtype": dtype,
+        "versions": versions,
+    }
+
+
+def open_loss_log(path: str | None, layout: Mapping[str, Any], dtype: str, *, backend: str,
+                  accelerator: str) -> LossRecordWriter | None:
+    """A writer for ``path`` (or PORTSPEED_LOSS_LOG) whose meta names ``backend`` and ``accelerator``; None when
+    neither path is set. A training script calls it on the rank that reports the loss::
+
+        writer = open_loss_log(args.loss_log, {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, "bf16",
+                               backend=dist.get_backend(), accelerator=portspeed.get_accelerator().name)
+    """
+    from portspeed import config
+
+    path = path or config.settings().loss_log
+    if not path:
+        return None
+    return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend=backend, accelerator=accelerator))

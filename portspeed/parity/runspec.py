@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Mapping, TextIO
 
 from portspeed.errors import PortspeedError
 from portspeed.parity.losslog import LossLogError, LossRecord, parse_megatron_log, read_record
@@ -296,8 +296,3 @@ def run_spec(spec: Spec, workdir: str | os.PathLike[str], progress: TextIO | Non
         assert rec is not None
         out.append(rec)
     return out
-
-
-def expand_names(spec: Spec) -> Sequence[str]:
-    """The run names in launch order (for listings)."""
-    return [r.name for r in spec.runs]
