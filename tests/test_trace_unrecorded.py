@@ -3,8 +3,8 @@
 A rank whose recorder never starts sends no heartbeat; the watchdog used to wait for one for ever. On
 the planted skip (tests/data/trace_faults.py, 2 ranks, CPU/Gloo) under ``--adaptor none``, recording
 never starts three ways (tests/data/trace_unrecorded.py): no adaptor imported, an adaptor imported whose
-set-up waits for a framework that never comes, recording turned off on one rank. Each job must end (the run's kill bound is the
-hang timeout plus start-up, not a timed assertion), and its closing lines must name the rank and the
+set-up waits for a framework that never comes, recording turned off on one rank. Each job must end (the run's kill bound
+is the hang timeout plus start-up, not a timed assertion), and its closing lines must name the rank and the
 reason. (The planted faults of tests/test_trace.py run with the adaptor and no framework import: the
 worker sets the adaptor up at launch, so they are recorded and named.) ``PORTSPEED_TRACE`` spelt
 ``00``, ``²``, ``+5``, `` 7 `` with and without a hang timeout: refused in one line, or read the same by

@@ -14,7 +14,8 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["STAGED_BACKEND", "STAGEABLE", "check_declarations", "groups_backend", "host_memory_bytes", "unknown_total_memory"]
+__all__ = ["STAGED_BACKEND", "STAGEABLE", "check_declarations", "groups_backend", "host_memory_bytes",
+           "unknown_total_memory"]
 
 #: portspeed's own c10d backend for any device: each collective staged through the host on Gloo
 #: (``portspeed.comm.staged``)

@@ -246,7 +246,8 @@ class PrivateUse1Accelerator(Accelerator, abstract=True):
             return torch.Stream(device=self.device(None if device is None else self._index(device)), priority=priority)
         return self.module.Stream(device, priority=priority, **kwargs)
 
-    def Event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:  # noqa: N802
+    def Event(  # noqa: N802
+            self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:
         if self._runtime():
             return torch.Event(device=self.device_type, enable_timing=enable_timing, blocking=blocking,
                                interprocess=interprocess)

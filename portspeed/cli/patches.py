@@ -106,8 +106,8 @@ def render(result: dict[str, Any]) -> str:
     patches = result["patches"]
     summary = ", ".join(f"{result['counts'][s]} {s}" for s in STATUS_ORDER if s in result["counts"])
     total = sum(result["counts"].values())
-    out.append(f"{total} patches" + (f": {summary}" if summary else "")
-               + (f"; showing the {len(patches)} with status {', '.join(result['filter'])}" if "filter" in result else ""))
+    shown = f"; showing the {len(patches)} with status {', '.join(result['filter'])}" if "filter" in result else ""
+    out.append(f"{total} patches" + (f": {summary}" if summary else "") + shown)
     if not patches:
         out.append("  (none registered: import portspeed.megatron_adaptor or portspeed.deepspeed_adaptor, "
                    "or run without --adaptor none)")
@@ -180,7 +180,11 @@ def record(result: dict[str, Any], path: str | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`portspeed patches [--json] [--deep] [--adaptor A] [--import-targets] [--status S ...] [--check SRC [--record]]`."""
+    """`portspeed patches`.
+
+    Usage: portspeed patches [--json] [--deep] [--adaptor A] [--import-targets] [--status S ...]
+                             [--check SRC [--record]]
+    """
     parser = argparse.ArgumentParser(prog="portspeed patches", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the listing")
     parser.add_argument("--deep", action="store_true",

@@ -17,7 +17,8 @@ Modules, in import order (each imports only those above it):
                     collective's signature taken apart for a rewrite.
 
 Public: ``real_backend(group)`` (the backend a group really runs on, whatever name the
-framework asked for), ``requested_backend``, ``map_backend``, ``capabilities_of``, ``use_capabilities``, ``stats``, ``reset_stats``, ``reset``.
+framework asked for), ``requested_backend``, ``map_backend``, ``capabilities_of``, ``use_capabilities``, ``stats``,
+``reset_stats``, ``reset``.
 """
 
 from __future__ import annotations

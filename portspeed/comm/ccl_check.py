@@ -142,7 +142,8 @@ def check_default_group(acc: Any) -> None:
         try:
             got = run()
         except Exception as exc:  # noqa: BLE001 - a collective that raises is as wrong as one that lies
-            wrong.append((name, f"rank {r} raised {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"))
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            wrong.append((name, f"rank {r} raised {type(exc).__name__}: {first}"))
             continue
         if not torch.equal(got, want):
             wrong.append((name, f"rank {r} got {_values(got)}, want {_values(want)}"))

@@ -1,4 +1,4 @@
-"""The DeepSpeed integration: its patch set, accelerator hook, and the set-up `import portspeed.deepspeed_adaptor` arranges.
+"""The DeepSpeed integration: its patch set, accelerator hook, and the set-up ``portspeed.deepspeed_adaptor`` arranges.
 
 Importing this module does nothing but define. ``defer_activation()`` (what the adaptor's import
 calls) validates the PORTSPEED_* environment and arranges for ``activate()`` to run when

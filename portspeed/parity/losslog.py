@@ -44,20 +44,8 @@ from typing import Any, Mapping
 
 from portspeed.errors import PortspeedError
 
-__all__ = [
-    "IterationLoss",
-    "LossRecord",
-    "LossLogError",
-    "LossRecordWriter",
-    "loss_record_meta",
-    "open_loss_log",
-    "parse_megatron_log",
-    "read_record",
-    "record_from_json",
-    "write_record",
-    "DTYPES",
-    "normalize_dtype",
-]
+__all__ = ["IterationLoss", "LossRecord", "LossLogError", "LossRecordWriter", "loss_record_meta", "open_loss_log",
+           "parse_megatron_log", "read_record", "record_from_json", "write_record", "DTYPES", "normalize_dtype"]
 
 
 class LossLogError(PortspeedError, ValueError):
@@ -163,7 +151,8 @@ def _decode_float(x: Any, what: str, source: str) -> float | None:
 # "iteration       10/     100 |" (stock) or "iteration 10 |" (example trainer)
 _ITER = re.compile(r"\biteration\s+(\d+)\s*(?:/\s*(\d+))?\s*\|")
 # " key: value |" fields; values like 1.083200E+01, 4.123, nan, 4294967296.0, 12
-_FIELD = re.compile(r"\|?\s*([A-Za-z][A-Za-z0-9_ ()/\-.]*?):\s*([-+]?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|NAN|NaN|inf|INF|Inf))\s*(?=\||$)")
+_FIELD = re.compile(r"\|?\s*([A-Za-z][A-Za-z0-9_ ()/\-.]*?):\s*"
+                    r"([-+]?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|NAN|NaN|inf|INF|Inf))\s*(?=\||$)")
 
 # evaluation lines (" validation loss at iteration 10 | lm loss value: ...") are not training losses
 _EVAL = re.compile(r"\b(?:validation|test)\b[^|]*\bloss at\b")
@@ -300,7 +289,8 @@ def read_record(path: str | os.PathLike[str]) -> LossRecord:
     except OSError as e:
         raise LossLogError(f"{p}: cannot be read ({e})") from e
     if "\x00" in text[:4096]:
-        raise LossLogError(f"{p}: unknown format (a binary file); give a Megatron log, a JSON loss record or a JSON run spec")
+        raise LossLogError(
+            f"{p}: unknown format (a binary file); give a Megatron log, a JSON loss record or a JSON run spec")
     stripped = text.lstrip()
     if stripped.startswith("{"):
         try:

@@ -19,8 +19,8 @@ iteration lines is read from its log instead, so stock Megatron-LM runs work too
                          "layout": [{"tp": 2, "pp": 1, "nproc": 2}, {"tp": 1, "pp": 2, "nproc": 2}]}}}
 
 ``setup`` (same form as ``runs``) lists commands run first whose output is not compared,
-e.g. writing the checkpoint every layout loads. Runs listed under ``runs`` come first, then the matrix's product in axis order; the first
-run is the reference unless ``"reference": NAME`` says otherwise. Placeholders:
+e.g. writing the checkpoint every layout loads. Runs listed under ``runs`` come first, then the matrix's product in axis
+order; the first run is the reference unless ``"reference": NAME`` says otherwise. Placeholders:
 ``{python}`` (this interpreter), ``{record}``, ``{port}`` (a free 127.0.0.1 port), ``{name}``,
 ``{workdir}``, and the matrix axes (an axis whose values are objects contributes their keys).
 Runs are started one after another (the test machines have two cores), each in its own
