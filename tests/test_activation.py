@@ -54,9 +54,9 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
             "first_finder": repr(sys.meta_path[0]),
             "records": len(portspeed.manager().records()),
             "translation": "portspeed.accelerator.translation" in sys.modules,
-            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router", "portspeed.comm.groups",
-                                          "portspeed.comm.rewrites", "portspeed.accelerator.contract",
-                                          "portspeed.accelerator.selection")
+            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router",
+                                          "portspeed.comm.groups", "portspeed.comm.rewrites",
+                                          "portspeed.accelerator.contract", "portspeed.accelerator.selection")
                             if m in sys.modules),
             "all_reduce_untouched": dist.all_reduce is before,
         }))
@@ -191,7 +191,7 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
 
 
 def test_other_modules_import_normally_while_waiting(tmp_path: Path) -> None:
-    """Until it fires, the trigger answers None for every other module (stdlib, torch, a module named like the prefix)."""
+    """Until it fires, the trigger answers None for every other module (stdlib, torch, one named like the prefix)."""
     (tmp_path / "fw_pkg_other.py").write_text("VALUE = 7\n")
     got = child_json('''
         import json

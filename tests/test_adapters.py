@@ -457,7 +457,8 @@ def test_fakes_leave_nothing_behind() -> None:
             assert torch.xpu is had_xpu
         else:
             assert not hasattr(torch, name), name
-    assert not any(m.split(".")[0] in ("torch_npu", "torch_mlu", "torch_musa", "habana_frameworks") for m in sys.modules)
+    vendors = ("torch_npu", "torch_mlu", "torch_musa", "habana_frameworks")
+    assert not any(m.split(".")[0] in vendors for m in sys.modules)
 
 
 # ----------------------------------------------------------------------------- the generic adapter

@@ -1,4 +1,4 @@
-"""One table of bad inputs: each is refused with one message naming what was wrong, the right exit code, nothing half-done.
+"""One table of bad inputs: each refused with one message naming what was wrong, the right exit code, nothing half-done.
 
 Rows cover PORTSPEED_* settings (at the adaptor's import and in `portspeed run` before any
 worker starts), `portspeed run` command lines, files for `portspeed compare`, patch
@@ -131,8 +131,8 @@ def _refused_by_run(argv: list[str], env: dict, mp: pytest.MonkeyPatch, capsys: 
 
 @pytest.mark.parametrize("env,exc_type,words", SETTINGS, ids=_ids(SETTINGS))
 def test_setting_refused_by_portspeed_run_before_spawning(env: dict, exc_type: type, words: list[str], script: Path,
-                                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-                                                          no_spawn: list) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture, no_spawn: list) -> None:
     _refused_by_run(["--nproc-per-node", "2", "train.py"], env, monkeypatch, capsys, no_spawn, words)
 
 
@@ -232,7 +232,8 @@ def test_unknown_accelerator_fails_the_adaptor_import_itself() -> None:
             import portspeed.megatron_adaptor
         except Exception as exc:
             import portspeed
-            print(json.dumps({"type": type(exc).__name__, "msg": str(exc), "records": len(portspeed.manager().records()),
+            print(json.dumps({"type": type(exc).__name__, "msg": str(exc),
+                              "records": len(portspeed.manager().records()),
                               "triggers": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)],
                               "megatron": "megatron" in sys.modules}))
     ''', timeout=TIMEOUT, env={"PORTSPEED_ACCELERATOR": "tpu"})
@@ -265,7 +266,8 @@ def test_framework_module_that_cannot_be_imported_is_refused(value: str, refused
         config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", names, env={})
     msg = str(got.value)
     assert "\n" not in msg and "PORTSPEED_FRAMEWORK_MODULES" in msg and repr(refused) in msg, msg
-    config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", names, env={config.LATE_MODULES_ENV: ",".join(refused)})
+    config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", names,
+                                  env={config.LATE_MODULES_ENV: ",".join(refused)})
 
 
 def test_framework_module_beside_the_script_counts_under_portspeed_run(tmp_path: Path) -> None:
@@ -316,11 +318,13 @@ def _record(iters: list[int]) -> str:
 COMPARE = [
     ({"a.json": _record([1, 2])}, ["a.json", "missing.json"], ["missing.json: no such file"]),
     ({"a.json": _record([1, 2]), "b.json": ""}, ["a.json", "b.json"], ["b.json: is empty"]),
-    ({"a.json": _record([1, 2]), "b.json": '{"meta": {'}, ["a.json", "b.json"], ["b.json: looks like JSON but does not parse"]),
+    ({"a.json": _record([1, 2]), "b.json": '{"meta": {'}, ["a.json", "b.json"],
+     ["b.json: looks like JSON but does not parse"]),
     ({"a.json": _record([1, 2]), "b.json": "{}"}, ["a.json", "b.json"], ["b.json: not a portspeed loss record"]),
     ({"a.json": _record([1, 2]), "b.log": "hello\n"}, ["a.json", "b.log"], ["b.log: no loss lines found"]),
     ({"a.json": _record([1, 2])}, ["a.json"], ["need at least two runs"]),
-    ({"a.json": _record([1, 2]), "b.json": _record([1, 2])}, ["a.json", "b.json", "--atol", "-1"], ["--atol", "finite number >= 0"]),
+    ({"a.json": _record([1, 2]), "b.json": _record([1, 2])}, ["a.json", "b.json", "--atol", "-1"],
+     ["--atol", "finite number >= 0"]),
 ]
 
 
@@ -364,7 +368,8 @@ PROBE = [
     (dict(tp=2, dropout=True), ["dropout is on in the run", "different layouts cannot be compared"]),
     (dict(global_batch_size=8), ["different global batches (4 vs 8 samples)"]),
     (dict(dp=2, dp_order="cyclic", global_batch_size=4),
-     ["nothing to compare", "the run's micro-batches cannot be matched (dp_order 'cyclic' with 2 data-parallel ranks)"]),
+     ["nothing to compare",
+      "the run's micro-batches cannot be matched (dp_order 'cyclic' with 2 data-parallel ranks)"]),
 ]
 
 
@@ -394,7 +399,8 @@ def _noop(*a: object) -> None:
 PATCHES = [
     (dict(name="bad name", target="json:dumps", kind="wrap", impl=_noop, reason="x"), "patch name 'bad name'"),
     (dict(name="p", target="json.dumps", kind="wrap", impl=_noop, reason="x"), "must be 'package.module:Attr.path'"),
-    (dict(name="p", target="json:dumps", kind="swap", impl=_noop, reason="x"), "kind must be 'replace', 'wrap' or 'finder'"),
+    (dict(name="p", target="json:dumps", kind="swap", impl=_noop, reason="x"),
+     "kind must be 'replace', 'wrap' or 'finder'"),
     (dict(name="p", target="json:dumps", kind="wrap", impl=42, reason="x"), "a wrap patch needs a callable"),
     (dict(name="p", target="json:dumps", kind="wrap", impl=_noop, reason=""), "give one sentence of why"),
 ]
@@ -564,5 +570,6 @@ def test_example_trainer_refuses_bad_input(tmp_path: Path) -> None:
 
 
 def test_table_has_at_least_thirty_rows() -> None:
-    rows = len(SETTINGS) + len(RUN_LINES) + len(COMPARE) + len(PATCHES) + len(CHECKPOINTS) + len(TRAINER_FLAGS) + len(TRAINER_LOADS) + 3 + len(FRAMEWORK_MODULES) + 2 * len(ADAPTER_OPTIONS)
+    tables = (SETTINGS, RUN_LINES, COMPARE, PATCHES, CHECKPOINTS, TRAINER_FLAGS, TRAINER_LOADS, FRAMEWORK_MODULES)
+    rows = sum(map(len, tables)) + 3 + 2 * len(ADAPTER_OPTIONS)
     assert rows >= 30, rows

@@ -210,7 +210,7 @@ def test_set_up_built_deepspeeds_host_ops_and_installed_mpi() -> None:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("key", ADAM_OFFLOAD_RUNS.split(","))
 def test_offload_with_cpu_adam_equals_stock_and_single_process(runs: dict[str, Any], key: str) -> None:
-    """ZeRO-2/3 offload_optimizer (and ZeRO-3 offload_param) with DeepSpeedCPUAdam: = stock, and 1 process within 1e-5."""
+    """ZeRO-2/3 offload_optimizer (ZeRO-3: offload_param too) with DeepSpeedCPUAdam: = stock, 1 process within 1e-5."""
     run = runs["ported"]["runs"][key]
     assert run["optimizer"] == "DeepSpeedCPUAdam", run  # DeepSpeed's CPU Adam op, not a torch optimizer
     if "offload_param" in key:
@@ -402,7 +402,7 @@ def testdev_resumed(testdev_run: dict[str, Any], tmp_path_factory: pytest.TempPa
 @pytest.mark.parametrize("key", TESTDEV_RESUME_RUNS.split(","))
 def test_testdev_checkpoint_resumes_identically(testdev_run: dict[str, Any], testdev_resumed: dict[str, Any],
                                                 key: str) -> None:
-    """Offload and fp16 on the test device: a checkpoint saved after step 3, loaded by fresh processes, continues exactly."""
+    """Offload and fp16 on the test device: a checkpoint saved after step 3, loaded anew, continues exactly."""
     resumed = testdev_resumed["runs"][key]
     assert resumed["start_step"] == SAVE_AT
     assert resumed["param_devices"] == ["testdev:0", "testdev:1"], key
@@ -412,7 +412,7 @@ def test_testdev_checkpoint_resumes_identically(testdev_run: dict[str, Any], tes
 @pytest.mark.testdev
 @pytest.mark.multiproc
 def test_testdev_runs_on_the_device_and_its_ccl(testdev_run: dict[str, Any]) -> None:
-    """The test-device run used portspeed's device accelerator, testccl, device parameters and real ZeRO-3 partitions."""
+    """The test-device run used portspeed's device accelerator, testccl, device parameters, real ZeRO-3 partitions."""
     assert testdev_run["ds_accelerator"] == "PortspeedAccelerator"
     assert testdev_run["real_backend"] == "testccl" and testdev_run["backend"] == "testccl"
     assert set(testdev_run["runs"]) == set(f"{TESTDEV_RUNS},{TESTDEV_FP16_RUNS}".split(","))
@@ -442,14 +442,14 @@ def test_testdev_zero_losses_match_stock_deepspeed_on_cpu(testdev_run: dict[str,
 @pytest.mark.testdev
 @pytest.mark.multiproc
 def test_testdev_zero3_bf16_reduce_scatter_is_rewritten(testdev_run: dict[str, Any]) -> None:
-    """ZeRO-3 bf16 reduce-scatters gradients in bf16, a declared testccl gap: the router upcasts them (parity: above)."""
+    """ZeRO-3 bf16 reduce-scatters gradients in bf16, a declared testccl gap: the router upcasts (parity: above)."""
     rewrites = testdev_run["router_rewrites"]
     assert rewrites.get("reduce_scatter_tensor", {}).get("by", {}).get("upcast", 0) > 0, rewrites
 
 
 @pytest.mark.testdev
 def test_testdev_offers_deepspeeds_host_op_builders_only() -> None:
-    """On the test device DeepSpeed gets its host builders (CPU Adam, async I/O...) and a clear error for device kernels."""
+    """On the test device DeepSpeed gets its host builders (CPU Adam, async I/O...), a clear error for device ops."""
     got = child_json("""
         import json, torch
         import portspeed.deepspeed_adaptor, deepspeed
@@ -467,7 +467,8 @@ def test_testdev_offers_deepspeeds_host_op_builders_only() -> None:
         print(json.dumps({
             "cls": type(acc).__name__, "device": acc.current_device_name(),
             "host_same": {n: issubclass(getattr(ob, n), getattr(host, n)) for n in
-                          ("CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder", "PinMemoryBuilder")},
+                          ("CPUAdamBuilder", "CPUAdagradBuilder", "CPULionBuilder", "AsyncIOBuilder",
+                           "PinMemoryBuilder")},
             "cpu_adam_compatible": ob.CPUAdamBuilder().is_compatible(),
             "create_host": type(acc.create_op_builder("CPUAdamBuilder")).__module__,
             "create_device": [acc.create_op_builder(n) is None for n in ("FusedAdamBuilder", "ShareMemCommBuilder")],

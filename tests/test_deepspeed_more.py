@@ -64,7 +64,7 @@ def four_rank_refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_zero3_on_four_ranks_equals_stock_and_single_process(tmp_path: Path, four_rank_refs: dict[str, Any],
                                                              adapter: str) -> None:
-    """ZeRO-3 (fp32; optimizer offload with CPU Adam) on 4 ranks requested 'nccl': = stock 4 ranks, 1 process within 1e-5.
+    """ZeRO-3 (fp32; optimizer offload, CPU Adam) on 4 ranks requested 'nccl': = stock 4 ranks, 1 process within 1e-5.
 
     On the test device (4 ranks, 4 devices): within 1e-5 of stock DeepSpeed's 4 CPU ranks.
     """

@@ -14,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: source directory -> the package it installs as
-SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches", ROOT / "adapters": "portspeed.adapters"}
+SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches",
+           ROOT / "adapters": "portspeed.adapters"}
 
 #: layer -> module prefixes (longest prefix wins)
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -108,7 +109,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_run_one_way() -> None:
-    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity beside, on the foundation."""
+    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity: foundation."""
     modules = _modules()
     known = set(modules)
     violations = []
@@ -195,7 +196,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_subpackages_import_without_cycles() -> None:
-    """No two of portspeed's sub-packages import each other, directly or round a longer loop (deferred imports count)."""
+    """No two of portspeed's sub-packages import each other, directly or round a longer loop (deferred imports too)."""
     cycle = _cycle(_subpackage_graph())
     assert cycle is None, "sub-packages import each other: " + " -> ".join(cycle)
 

@@ -56,7 +56,7 @@ def test_timing_fields_are_not_kept():
 
 
 def test_bf16_nan_iterations_are_nan_not_skipped():
-    """bf16 with a NaN loss: Megatron prints no 'lm loss' (nan > 0 is false) and 'grad norm: nan'; that is NaN, not a skip."""
+    """bf16, a NaN loss: Megatron prints no 'lm loss' (nan > 0 is false), 'grad norm: nan'; that is NaN, not a skip."""
     rec = read_record(DATA / "megatron_bf16_nan.log")
     by = rec.by_iteration()
     for n in range(1, 15):

@@ -704,7 +704,7 @@ def test_status_and_note_are_the_way_a_patch_reports_at_run_time(mgr: PatchManag
 
 
 def test_finder_patches_are_gated_reported_disabled_and_reverted(env: Callable[..., None]) -> None:
-    """A declared import finder goes on sys.meta_path at apply, shows in the report, obeys PORTSPEED_DISABLE, leaves on revert."""
+    """A declared import finder goes first at apply, is in the report, obeys PORTSPEED_DISABLE, leaves on revert."""
     import importlib.abc
 
     from portspeed.patching.record import FINDER, FINDER_TARGET

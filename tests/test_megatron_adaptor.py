@@ -59,10 +59,11 @@ def test_adaptor_does_not_import_megatron(tmp_path) -> None:
 @pytest.mark.parametrize("order", ["adaptor-first", "megatron-first"])
 def test_import_order_does_not_matter(order: str, tmp_path) -> None:
     """Either order ends with the same patches applied and megatron's modules seeing the view."""
-    first = "import portspeed.megatron_adaptor" if order == "adaptor-first" else \
-        "import megatron.core.tensor_parallel.random, megatron.core.parallel_state, megatron.core.transformer.torch_norm"
-    second = "import megatron.core.tensor_parallel.random, megatron.core.parallel_state, " \
-             "megatron.core.transformer.torch_norm" if order == "adaptor-first" else "import portspeed.megatron_adaptor"
+    megatron = ("import megatron.core.tensor_parallel.random, megatron.core.parallel_state, "
+                "megatron.core.transformer.torch_norm")
+    first, second = ("import portspeed.megatron_adaptor", megatron)
+    if order != "adaptor-first":
+        first, second = second, first
     out = _py(f'''
         {first}
         {second}

@@ -238,7 +238,8 @@ def test_attention_equals_explicit_softmax(fmt: str, mask_type: str) -> None:
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_equals_complex_rotation(fmt: str, interleaved: bool) -> None:
-    """RoPE as complex multiplication: channel pairs (i, i + r/2), or (2i, 2i + 1) interleaved, turned by e^(j theta)."""
+    """RoPE as complex multiplication: channel pairs (i, i + r/2), or (2i, 2i + 1) interleaved, turned by e^(j theta).
+    """
     from portspeed.portable_te import rope
 
     torch.manual_seed(5)
@@ -426,7 +427,8 @@ for interleaved in (False, True):
     cfg.apply_rope_fusion = False                     # Megatron's own unfused RoPE
     plain, _ = attn(x, None, rotary_pos_emb=freqs)
     none, _ = attn(x, None)
-    out[str(interleaved)] = {"diff": (fused - plain).abs().max().item(), "vs_no_rope": (fused - none).abs().max().item()}
+    out[str(interleaved)] = {"diff": (fused - plain).abs().max().item(),
+                             "vs_no_rope": (fused - none).abs().max().item()}
 dist.destroy_process_group()
 print(json.dumps(out))
 """
@@ -552,7 +554,8 @@ CP2_SCRIPT = textwrap.dedent(
     Q, K, V = torch.randn(S, B, NP, D), torch.randn(S, B, NG, D), torch.randn(S, B, NG, D)
     G = torch.randn(S, B, NP * D)
     c = S // (2 * cp)
-    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
     for fmt in ("sbhd", "bshd"):
         for mask in ("causal", "no_mask"):
             full = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask)
@@ -619,7 +622,8 @@ def test_context_parallel_refusals_name_what_avoids_them() -> None:
 
 
 @pytest.mark.parametrize("field, flag", [("fp8", "--fp8-format"), ("fp4", "--fp4-format"),
-                                         ("cpu_offloading", "--cpu-offloading"), ("tp_comm_overlap", "--tp-comm-overlap")])
+                                         ("cpu_offloading", "--cpu-offloading"),
+                                         ("tp_comm_overlap", "--tp-comm-overlap")])
 def test_megatron_config_options_applied_outside_the_layers_are_refused(field: str, flag: str) -> None:
     """Megatron's TE wrappers set self.config before TE's __init__; fp8 etc. there are refused, not ignored."""
     import types

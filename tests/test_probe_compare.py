@@ -205,7 +205,8 @@ def test_a_split_part_off_is_named_with_the_joined_ranks(tp1: Path, tmp_path: Pa
     the ranks whose parts were joined."""
     run = record(tmp_path / "shard", tp=2, tweak=off_by(1e-3, lambda k, r: k == ("forward", 1, 0, 1) and r == 0))
     code, out, _ = probe(tp1, run)
-    assert code == 1 and out.startswith(f"first divergence: iteration 1, micro-batch 1, forward, {fc(0, 1)}, rank 0+1: ")
+    assert code == 1 and out.startswith(
+        f"first divergence: iteration 1, micro-batch 1, forward, {fc(0, 1)}, rank 0+1: ")
 
 
 def test_partial_sums_are_refused_by_name(tp1: Path, tmp_path: Path) -> None:
@@ -406,8 +407,8 @@ def test_ops_are_matched_by_name_inside_their_module(tmp_path: Path) -> None:
             f"identical layouts (1 tensors): {fc(0, 2)} op linear (forward)") in out, out
     assert f"only in the run (1 tensors): {fc(0, 2)} op all_reduce (forward)" in out, out
     code, out, _ = probe(ref, write(tmp_path / "tp2-off", 2, off=1e-3))
-    assert code == 1 and out.startswith(f"first divergence: iteration 1, micro-batch 0, forward, {fc(0, 2)} op gelu #0, "
-                                        "rank 0: output.1 "), out
+    assert code == 1 and out.startswith(
+        f"first divergence: iteration 1, micro-batch 0, forward, {fc(0, 2)} op gelu #0, rank 0: output.1 "), out
 
 
 def test_an_op_outside_every_module_sits_after_the_module_before_it(tmp_path: Path) -> None:

@@ -242,7 +242,8 @@ def test_premul_sum_factor_is_read_where_reduce_op_has_no_factor_property() -> N
 
     assert rewrites._factor(StateOnly()) == 0.125
     assert rewrites._factor(dist._make_nccl_premul_sum(0.25)) == 0.25
-    with pytest.raises(CollectiveUnsupportedError, match=f"torch {re.escape(torch.__version__)}.*_make_nccl_premul_sum"):
+    with pytest.raises(CollectiveUnsupportedError,
+                       match=f"torch {re.escape(torch.__version__)}.*_make_nccl_premul_sum"):
         rewrites._factor(NoFactor())
 
 

@@ -52,7 +52,8 @@ def test_merge_of_two_key_blocks_equals_attention_over_both() -> None:
 
 
 def test_one_message_packs_mixed_dtypes() -> None:
-    specs = [(torch.Size([2, 3]), torch.bfloat16), (torch.Size([3]), torch.bfloat16), (torch.Size([2, 2]), torch.float32)]
+    specs = [(torch.Size([2, 3]), torch.bfloat16), (torch.Size([3]), torch.bfloat16),
+             (torch.Size([2, 2]), torch.float32)]
     packer = ring._Packer(specs, torch.device("cpu"))
     buf = packer.empty()
     assert buf.dtype == torch.uint8 and buf.numel() == 2 * 6 + 2 * 3 + 4 * 4
@@ -130,7 +131,8 @@ _CP2 = textwrap.dedent(
     torch.manual_seed(0)
     S, B, D = 16, 2, 8
     c = S // (2 * cp)
-    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
     for heads, groups in ((4, 4), (4, 2)):
         Q, K, V = torch.randn(S, B, heads, D), torch.randn(S, B, groups, D), torch.randn(S, B, groups, D)
         G = torch.randn(S, B, heads * D)

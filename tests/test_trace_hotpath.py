@@ -78,7 +78,8 @@ def test_frames_are_the_callers_and_a_foreign_cache_row_is_not_used(rec: trace.R
     assert a["frames"][0]["line"] == site_a.__code__.co_firstlineno + 1
     # the row of site_a's call, now claimed by another code object (an id reused after the first was freed)
     key = next(k for k, v in trace_fields._SITES.items() if v[0] is site_a.__code__)
-    trace_fields._SITES[key] = (site_b.__code__, {"name": "stale", "filename": "stale", "line": -1}, "'stale', 'stale', -1")
+    stale = {"name": "stale", "filename": "stale", "line": -1}
+    trace_fields._SITES[key] = (site_b.__code__, stale, "'stale', 'stale', -1")
     again = site_a()
     assert again["frames"][0] == a["frames"][0] and "stale" not in _lines(rec)[-1]
 

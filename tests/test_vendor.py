@@ -180,10 +180,12 @@ def test_undeclared_gaps_become_the_fields_that_describe_them() -> None:
     for everything, a flat all_gather output; a broadcast is named as something no field describes."""
     rows = []
     for op in ("SUM", "MAX", "AVG"):
-        rows += [_row(("reduce_scatter_tensor", op, "bfloat16"), False), _row(("reduce_scatter_tensor", op, "float32"), True)]
+        rows += [_row(("reduce_scatter_tensor", op, "bfloat16"), False),
+                 _row(("reduce_scatter_tensor", op, "float32"), True)]
         rows += [_row(("all_reduce", op, "float16"), False, "wrong"), _row(("all_reduce", op, "float32"), op != "MAX")]
     rows += [_row(("all_to_all", None, dt), False) for dt in ("float32", "bfloat16")]
-    rows += [_row(("all_gather_into_tensor", gaps.SHAPE, "float32"), False), _row(("broadcast", None, "float32"), False)]
+    rows += [_row(("all_gather_into_tensor", gaps.SHAPE, "float32"), False),
+             _row(("broadcast", None, "float32"), False)]
     findings, explained, why = gaps.suggest(rows, None)
     got = {(f.field, f.value) for f in findings}
     assert got == {("unsupported_dtypes", ("reduce_scatter_tensor", torch.bfloat16)),
@@ -198,8 +200,10 @@ def test_undeclared_gaps_become_the_fields_that_describe_them() -> None:
 
 def test_a_declared_gap_is_not_suggested_again_and_one_that_can_go_is_dropped() -> None:
     declared = BackendGaps(unsupported_ops=[dist.ReduceOp.AVG, dist.ReduceOp.BXOR], chunk_shaped_all_gather=True)
-    rows = [_row(("all_reduce", "AVG", "bfloat16"), False, flagged=True), _row(("all_reduce", "SUM", "bfloat16"), False),
-            _row(("all_reduce", "AVG", "float32"), True, flagged=True), _row(("all_reduce", "SUM", "float32"), True)]
+    rows = [_row(("all_reduce", "AVG", "bfloat16"), False, flagged=True),
+            _row(("all_reduce", "SUM", "bfloat16"), False),
+            _row(("all_reduce", "AVG", "float32"), True, flagged=True),
+            _row(("all_reduce", "SUM", "float32"), True)]
     findings, explained, _ = gaps.suggest(rows, declared)
     assert [(f.field, f.value) for f in findings] == [("unsupported_dtypes", ("all_reduce", torch.bfloat16))]
     fits = gaps.declaration(declared, findings, drop=[("unsupported_ops", dist.ReduceOp.BXOR)])

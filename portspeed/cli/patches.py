@@ -158,8 +158,6 @@ def render_check(result: dict[str, Any]) -> str:
 
 def record(result: dict[str, Any], path: str | None = None) -> str:
     """Merge ``result``'s fingerprints (release -> digest per patch) into the fingerprints module; returns its path."""
-    import pprint
-
     fingerprints = patch_sets.megatron_fingerprints()
     table = {k: dict(v) for k, v in fingerprints.FINGERPRINTS.items()}
     for f in result["findings"]:
@@ -170,13 +168,21 @@ def record(result: dict[str, Any], path: str | None = None) -> str:
         watched.setdefault(watch, {})[result["release"]] = digest
     path = path or fingerprints.__file__
     head = (fingerprints.__doc__ or "").strip()
-    body = pprint.pformat(table, width=110, sort_dicts=True)
-    watched_body = pprint.pformat(watched, width=110, sort_dicts=True)
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(f'"""{head}\n"""\n\nFINGERPRINTS: dict[str, dict[str, str]] = {body}\n\n'
+        fh.write(f'"""{head}\n"""\n\n{_table("FINGERPRINTS: dict[str, dict[str, str]]", table)}\n\n'
                  f'#: "module:attr" -> release -> fingerprint (None: not there) of the sources narrowed ranges watch\n'
-                 f'WATCHED: dict[str, dict[str, str | None]] = {watched_body}\n')
+                 f'{_table("WATCHED: dict[str, dict[str, str | None]]", watched)}\n')
     return path
+
+
+def _table(declaration: str, table: dict[str, dict[str, str | None]]) -> str:
+    """``declaration = {...}`` as Python source: a name per line, then its releases, one a line (sorted)."""
+    lines = [f"{declaration} = {{"]
+    for name in sorted(table):
+        lines.append(f"    {name!r}: {{")
+        lines += [f"        {release!r}: {digest!r}," for release, digest in sorted(table[name].items())]
+        lines.append("    },")
+    return "\n".join(lines + ["}"])
 
 
 def main(argv: list[str] | None = None) -> int:
