@@ -1,4 +1,4 @@
-"""`portspeed compare --probe`: the order entries are judged in, the first line and its context, what must match exactly.
+"""`portspeed compare --probe`: the order entries are judged in, the first line and its context, what must be exact.
 
 Forward first and backward in reverse; ops matched by name inside their module, an op outside every module after
 the module before it; identical runs compared rank by rank; NaN counts and shapes exact; msprobe's own dump read
