@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="portspeed info", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     parser.add_argument("--adapter", default=None, metavar="NAME",
-                        help="report as if PORTSPEED_ACCELERATOR=NAME: an adapter name, module:Class or "
-                        "path/to/file.py:Class")
+                        help="device adapter to report as if PORTSPEED_ACCELERATOR=NAME: an adapter name, "
+                        "module:Class or path/to/file.py:Class")
     args = parser.parse_args(argv)
     if args.adapter is not None:
         import dataclasses
