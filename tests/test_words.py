@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from pathlib import Path
 
 import pytest
 
 from portspeed import cli
+from portspeed.accelerator import get_accelerator, registry
 from portspeed.cli.main import COMMANDS
+from portspeed.errors import PortspeedError
 
 pytestmark = pytest.mark.usefixtures("portspeed_env")  # tests/conftest.py: clean settings, selection forgotten
 
@@ -67,3 +70,46 @@ def test_the_command_list_names_which_of_the_two() -> None:
         if re.search(r"\badapters?\b", line):
             assert "device adapter" in line, (command, line)
 
+
+# ------------------------------------------------------------------ an adapter file named as written
+BROKEN = {
+    "missing member": ("from portspeed.vendor import Accelerator\n\n"
+                       "class Zeta(Accelerator):\n    name = 'zeta'\n    backend = 'gloo'\n",
+                       "adapter class path/zeta.py:Zeta lacks the required member 'device_type'"),
+    "bad declaration": ("from portspeed.vendor import Accelerator\n\n"
+                        "class Base(Accelerator, abstract=True):\n    name = 'zeta'\n    backend = 'gloo'\n\n"
+                        "class Zeta(Base):\n    device_type = 'cpu'\n    total_memory_bytes = -1\n",
+                        "adapter class path/zeta.py:Zeta: total_memory_bytes = -1"),
+    "not an adapter": ("class Zeta:\n    pass\n",
+                       "it names path/zeta.py:Zeta, which is not a portspeed.vendor.Accelerator subclass"),
+}
+
+
+def _refusal(how: str, spec: str, capsys: pytest.CaptureFixture[str], portspeed_env) -> str:
+    """The refusal of ``spec`` through ``portspeed info --adapter``, ``portspeed conformance --adapter`` or the
+    selection (PORTSPEED_ACCELERATOR)."""
+    if how == "selection":
+        portspeed_env(PORTSPEED_ACCELERATOR=spec)
+        with pytest.raises(PortspeedError) as exc:
+            get_accelerator()
+        return str(exc.value)
+    assert cli.main([how, "--adapter", spec]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["info", "conformance", "selection"])
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_a_refused_adapter_file_is_named_as_the_user_wrote_it(kind: str, how: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              portspeed_env) -> None:
+    """The class is named ``path/zeta.py:Zeta``; the internal module name (``portspeed_adapter_file_zeta_<digest>``)
+    appears nowhere in the message."""
+    source, expected = BROKEN[kind]
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "zeta.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    message = _refusal(how, "path/zeta.py:Zeta", capsys, portspeed_env)
+    internal = registry.adapter_module_name("path/zeta.py")
+    assert expected in message, message
+    assert internal not in message and "portspeed_adapter_file" not in message, message
