@@ -71,6 +71,15 @@ def test_the_command_list_names_which_of_the_two() -> None:
             assert "device adapter" in line, (command, line)
 
 
+def test_the_glossary_tells_the_two_words_apart() -> None:
+    """docs/architecture.md's glossary has a row for each word, naming its own option."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| (adaptor|adapter)\b.*$", text, re.M)}
+    assert set(rows) == {"adaptor", "adapter"}, rows
+    assert "--adaptor" in rows["adaptor"] and "--adapter" not in rows["adaptor"], rows["adaptor"]
+    assert "--adapter" in rows["adapter"] and "--adaptor" not in rows["adapter"], rows["adapter"]
+
+
 # ------------------------------------------------------------------ an adapter file named as written
 BROKEN = {
     "missing member": ("from portspeed.vendor import Accelerator\n\n"
