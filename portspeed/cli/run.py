@@ -76,15 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
     parser.prog = "portspeed run"
     parser.description = (
-        "torchrun-compatible launcher: every worker imports a portspeed adaptor, then runs "
+        "torchrun-compatible launcher: every worker imports a framework set-up (--adaptor), then runs "
         "TRAINING_SCRIPT unedited. All torchrun options are accepted."
     )
     parser.add_argument(
         "--adaptor",
         default="megatron",
         metavar="NAME",
-        help="adaptor imported in every worker before the script: megatron (default), deepspeed, "
-        "none, or a dotted module name",
+        help="framework set-up (adaptor) imported in every worker before the script: megatron (default), "
+        "deepspeed, none, or a dotted module name (the device adapter is chosen by PORTSPEED_ACCELERATOR)",
     )
     parser.add_argument(
         "--hang-timeout",

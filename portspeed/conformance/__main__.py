@@ -1,4 +1,4 @@
-"""``portspeed conformance``: run the kit against one adapter and print one line per check."""
+"""``portspeed conformance``: run the kit against one device adapter and print one line per check."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ SUITES = ("device", "kernels", "collectives", "training")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="portspeed conformance", description=__doc__)
     p.add_argument("--adapter", required=True,
-                   help="adapter name (portspeed info lists them), e.g. npu, testdev; or module:Class, or "
-                   "path/to/file.py:Class for an adapter that is not installed")
+                   help="device adapter: a name (portspeed info lists them), e.g. npu, testdev; or module:Class, "
+                   "or path/to/file.py:Class for an adapter that is not installed")
     p.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated subset of {', '.join(SUITES)}")
     p.add_argument("--nproc", type=int, default=2, help="ranks for the collective checks (default 2)")
     p.add_argument("--declared-gaps", action="store_true",
