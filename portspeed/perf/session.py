@@ -170,6 +170,7 @@ class PerfSession:
             calls=self.timer.calls, level=self.level, wall0=self.wall0, syncs_seen_by=self.sees,
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
+        record.update(_link())
         writer.append(self.settings.perf_dir, self.rank, record)
 
 
@@ -187,6 +188,24 @@ def _memory_counter() -> Any:
     except Exception:  # no allocator statistics on this device
         return ()
     return (acc.max_memory_allocated, acc.reset_peak_memory_stats)
+
+
+def _link() -> dict[str, Any]:
+    """The adapter, the default group's real backend and the host: the key of the link bandwidth table
+    (``portspeed.parity.perf_links``) that `compare --perf` reads beside RUN's collectives."""
+    import socket
+
+    import torch.distributed as dist
+
+    from portspeed import comm, get_accelerator
+
+    backend = None
+    if dist.is_available() and dist.is_initialized():
+        try:
+            backend = comm.real_backend()
+        except ValueError:  # the default group is gone
+            backend = None
+    return {"adapter": get_accelerator().name, "backend": backend, "host": socket.gethostname()}
 
 
 def _pp() -> int:
