@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import torch
 
-from portspeed import config
 from portspeed.errors import ConfigError
 from portspeed.perf import collectives, te_kernels, writer
 from portspeed.perf.clock import Clock, make_clock
@@ -33,29 +32,21 @@ from portspeed.perf.spans import SpanHooks
 from portspeed.perf.syncs import MethodWatch
 from portspeed.probe import meta
 from portspeed.probe.modules import ModuleTable
+from portspeed.probe.sessions import ProcessSession
 
 __all__ = ["PerfSession", "current", "reset"]
 
-_session: list["PerfSession | None"] = [None]
+_ONE: ProcessSession["PerfSession"] = ProcessSession("perf_dir", lambda settings: PerfSession(settings))
 
 
 def current() -> "PerfSession | None":
     """This process's perf session, made on first use; None when ``PORTSPEED_PERF`` is not set."""
-    s = _session[0]
-    if s is None:
-        settings = config.settings()
-        if not settings.perf_dir:
-            return None
-        s = _session[0] = PerfSession(settings)
-    return s
+    return _ONE.current()
 
 
 def reset() -> None:
     """Forget the session (tests; an open iteration is ended first)."""
-    s = _session[0]
-    if s is not None:
-        s.end()
-    _session[0] = None
+    _ONE.reset()
 
 
 class PerfSession:
