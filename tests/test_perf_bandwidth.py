@@ -103,6 +103,10 @@ def test_compare_prints_the_link_bandwidth_beside_the_achieved(measured: dict[st
         assert int(at) == nearest and float(bw) == pytest.approx(link[nearest]["busbw_gbs"], abs=6e-4), (nbytes, out)
     assert f"link: {table}, measured {json.loads(table.read_text())['links'][0]['measured']}" in out, out
 
+    code, out, err = compare(rec, "--bandwidth", table)  # one run: the slow rank, then the same table
+    assert code in (0, 1) and f"  link: {table}" in out, out  # 1 when a loaded machine starves one rank
+    assert re.search(r"^  all_reduce\s+2\s+262144 .*%$", out, re.M), out
+
     code, out, err = compare(rec, rec, "--bandwidth", table.parent / "none.json")
     assert code == 0 and "link: no bandwidth measured for adapter cpu, backend gloo on host" in out, out
     assert "run `portspeed conformance --adapter cpu --suites bandwidth` on that host" in out, out

@@ -9,6 +9,8 @@
     portspeed compare --perf REF_DIR RUN_DIR [--threshold POINTS] [--json out.json]
                                                            # where RUN is slow against REF (perf_compare)
     portspeed compare --perf RUN_DIR [--chrome trace.json]  # the slow rank of one run (perf_ranks), its timeline
+                                                           # both --perf forms: [--bandwidth FILE], the link table
+                                                           # `portspeed conformance --suites bandwidth` wrote
 
 The first RUN is the reference. Exit status: 0 every run within tolerance, 1 some run
 outside it, 2 bad input (missing file, unknown format, no loss lines, mismatched iteration
