@@ -108,6 +108,7 @@ def _measure(acc: Any, lo: int, hi: int, rank: int, world: int) -> list[dict[str
                         call()
                     acc.synchronize()
                     dist.barrier(group=group)
+                    acc.synchronize()  # the barrier's own work done: the clock starts with an idle device
                     t0 = time.perf_counter()
                     for _ in range(ITERATIONS):
                         call()
