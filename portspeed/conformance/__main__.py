@@ -19,17 +19,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter", required=True,
                    help="adapter name (portspeed info lists them), e.g. npu, testdev; or module:Class, or "
                    "path/to/file.py:Class for an adapter that is not installed")
-    p.add_argument("--suites", default=",".join(SUITES),
-                   help=f"comma-separated subset of {', '.join(SUITES + OPTIONAL)} (default: all but "
-                   f"{', '.join(OPTIONAL)})")
+    p.add_argument("--suites", default=",".join(SUITES), help=f"comma-separated subset of {', '.join(SUITES)}")
     p.add_argument("--nproc", type=int, default=2, help="ranks for the collective checks (default 2)")
     p.add_argument("--declared-gaps", action="store_true",
                    help="collectives: first run every gap the adapter declares on the raw backend (patches off), to "
                    "say which declarations can go; off by default: on hardware a refused raw call may poison the "
                    "communicator")
     p.add_argument("--bandwidth", default=None, metavar="FILE",
-                   help="bandwidth: the link table to write (default PORTSPEED_BANDWIDTH, else "
-                   "~/.cache/portspeed/bandwidth.json); `portspeed compare --perf` reads it")
+                   help="--suites bandwidth (a suite run only when named): the link table to write (default "
+                   "PORTSPEED_BANDWIDTH, else ~/.cache/portspeed/bandwidth.json); `portspeed compare --perf` reads it")
     p.add_argument("--bandwidth-bytes", default=None, metavar="LO:HI",
                    help="bandwidth: message sizes, x4 steps (default 1K:64M; 1K:1M where the device is the host)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
