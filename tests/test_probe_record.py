@@ -249,6 +249,18 @@ def test_probing_off_installs_nothing() -> None:
                    "registered": True}, got
 
 
+def test_portspeed_patches_lists_op_level_probe_and_perf_collectives_once(tmp_path: Path) -> None:
+    """`portspeed patches` sets up both integrations, each declaring the collective wrappers: with op-level probing
+    and the perf recording on, each wrapper is one patch, applied (it was a PatchConflictError: a new record per
+    call)."""
+    env = {"PORTSPEED_PROBE_DIR": str(tmp_path / "probe"), "PORTSPEED_PROBE_LEVEL": "op",
+           "PORTSPEED_PERF": str(tmp_path / "perf")}
+    res = run_python(["-m", "portspeed.cli", "patches"], timeout=TIMEOUT, env=env, drop=("PORTSPEED_*",)).check()
+    for name in ("probe", "perf"):
+        rows = re.findall(rf"^(\S+) +torch\.distributed\.all_reduce\.{name} ", res.stdout, re.M)
+        assert rows == ["APPLIED"], (name, rows, res.stdout[-3000:])
+
+
 @pytest.mark.testdev
 def test_test_device_op_level_is_bit_for_bit(tmp_path: Path) -> None:
     """On the test device (a C++ PrivateUse1 device and its CCL): op level with the NaN watch changes no loss,

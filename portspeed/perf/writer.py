@@ -17,6 +17,8 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
                       "reduce_op": "SUM", "module": "...", "phase": "forward", "enter": ..., "leave": ...,
                       "rewrites": {}}, ...]}
 
+The session adds the link's key: ``"adapter"``, ``"backend"`` (the default group's real backend) and
+``"host"``, which ``portspeed compare --perf`` looks up in the link bandwidth table (``parity.perf_links``).
 ``spans`` lists every call as ``[path, phase, start_ms, end_ms]`` from the iteration's start (for a Chrome
 trace: ``portspeed compare --perf RUN --chrome FILE``). ``parts`` has one row per (module path, phase), summed over micro-batches and calls, plus two rows for
 the time outside every module: ``(outside-modules)`` (phase ``forward-backward``: the schedule, the loss
