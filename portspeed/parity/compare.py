@@ -9,6 +9,7 @@
     portspeed compare --perf REF_DIR RUN_DIR [--threshold POINTS] [--json out.json]
                                                            # where RUN is slow against REF (perf_compare)
     portspeed compare --perf RUN_DIR [--chrome trace.json]  # the slow rank of one run (perf_ranks), its timeline
+    portspeed compare --perf [REF_DIR] RUN_DIR --png shares.png  # the shares drawn (perf_plot; needs matplotlib)
 
 The first RUN is the reference. Exit status: 0 every run within tolerance, 1 some run
 outside it, 2 bad input (missing file, unknown format, no loss lines, mismatched iteration
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "points (default 10)")
     p.add_argument("--chrome", default=None, metavar="FILE",
                    help="--perf: also write RUN's timeline as a Chrome trace (Perfetto, chrome://tracing)")
+    p.add_argument("--png", default=None, metavar="FILE",
+                   help="--perf: also draw the shares as a PNG (REF beside RUN; one RUN: per rank; needs matplotlib)")
     p.add_argument("--layers", action="store_true", help="replaced by --probe (docs/accuracy.md)")
     return p
 
@@ -261,8 +264,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         return EXIT_BAD_INPUT
     if args.perf:
         return _main_perf(args, out, err)
-    if args.threshold is not None or args.chrome is not None:
-        print("portspeed compare: error: --threshold and --chrome apply to --perf recordings only", file=err)
+    if args.threshold is not None or args.chrome is not None or args.png is not None:
+        print("portspeed compare: error: --threshold, --chrome and --png apply to --perf recordings only", file=err)
         return EXIT_BAD_INPUT
     if args.probe:
         return _main_probe(args, out, err)
@@ -320,11 +323,13 @@ def _main_perf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     given = [f"--{o}" for o in _NOT_WITH_PERF if getattr(args, o) not in (None, False)]
     if given:
         print(f"portspeed compare: error: {' '.join(given)} do not apply to perf recordings; --perf takes "
-              "--threshold, --json and --chrome", file=err)
+              "--threshold, --json, --chrome and --png", file=err)
         return EXIT_BAD_INPUT
     from portspeed.parity.perf_compare import main_perf  # only --perf users pay for it
     try:
-        return main_perf(args.runs, out, args.threshold, args.json, args.chrome)
+        from portspeed.parity.perf_plot import png_or_note
+
+        return main_perf(args.runs, out, args.threshold, args.json, args.chrome, png_or_note(args.png, err))
     except PortspeedError as e:
         print(f"portspeed compare: error: {e}", file=err)
     except OSError as e:

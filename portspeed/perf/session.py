@@ -170,6 +170,9 @@ class PerfSession:
             calls=self.timer.calls, level=self.level, wall0=self.wall0, syncs_seen_by=self.sees,
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
+        from portspeed import get_accelerator
+
+        record["device"] = get_accelerator().name  # the adapter: what `compare --perf --png` titles each run with
         writer.append(self.settings.perf_dir, self.rank, record)
 
 
