@@ -29,8 +29,9 @@ __all__ = ["TOP", "Drawn", "png_or_note", "share_rows", "draw_shares", "draw_ran
 
 #: the parts drawn: the largest excesses (the first line's part is always the first)
 TOP = 15
-#: percent of the step under which a part is not drawn (the text table's smallest excess shown, 0.05 points)
-MIN_SHARE = 0.05
+#: percent of the step under which a part is not drawn on either side (dozens of tiny modules, -0.1 points each,
+#: would push out the parts that shrank while the named one grew)
+MIN_SHARE = 0.5
 DPI = 100
 _REF, _RUN, _NAMED, _WAIT = "#9e9e9e", "#3b75af", "#c62828", "#f0a030"
 
@@ -105,9 +106,11 @@ def draw_shares(ref: PerfRun, run: PerfRun, excesses: list[Excess], threshold: f
     ys = list(range(len(rows)))
     ax.barh([y - 0.2 for y in ys], [e.ref_share for e in rows], height=0.4, color=_REF,
             label=f"REF {_name(ref)}: its highest share (any iteration, any rank)")
-    ax.barh([y + 0.2 for y in ys], [e.run_share for e in rows], height=0.4,
-            color=[_NAMED if e is named else _RUN for e in rows],
-            label=f"RUN {_name(run)}: its share at its median iteration")
+    bars = ax.barh([y + 0.2 for y in ys], [e.run_share for e in rows], height=0.4, color=_RUN,
+                   label=f"RUN {_name(run)}: its share at its median iteration")
+    ax.legend(fontsize=8, loc="lower right")  # before the named bar turns red: the legend's swatch is blue
+    if named is not None:
+        bars[0].set_color(_NAMED)
     for y, e in zip(ys, rows):
         ax.text(max(e.run_share, e.ref_share), y, f"  {e.points + 0.0:+.1f} points", va="center", fontsize=8,
                 color=_NAMED if e is named else "black")
@@ -123,8 +126,7 @@ def draw_shares(ref: PerfRun, run: PerfRun, excesses: list[Excess], threshold: f
     ax.set_title(f"REF {_name(ref)}: {_describe(ref)}\nRUN {_name(run)}: {_describe(run)}\n"
                  f"threshold {threshold:g} points beyond REF's highest share\n{verdict}", fontsize=9)
     _empty(ax, rows, "nothing to compare: no part in either recording")
-    ax.legend(fontsize=8, loc="lower right")
-    return _save(plt, fig, ax, path, labels[0] if named is not None else None, "module shares of REF and RUN")
+    return _save(plt, fig, ax, path, "module shares of REF and RUN")
 
 
 def draw_ranks(run: PerfRun, slow: SlowRank, path: str) -> Drawn:
@@ -137,14 +139,15 @@ def draw_ranks(run: PerfRun, slow: SlowRank, path: str) -> Drawn:
     labels = [f"rank {r}" for r in ranks]
     fig, ax = plt.subplots(figsize=(10, max(2.5, 0.5 * len(ranks) + 1.8)))
     rest = [100.0 - w for w in waited]
-    ax.barh(ys, rest, color=[_NAMED if r == slow.rank else _RUN for r in ranks],
-            label="the rest of the step: computing (and transferring)")
+    bars = ax.barh(ys, rest, color=_RUN, label="the rest of the step: computing (and transferring)")
     ax.barh(ys, waited, left=rest, color=_WAIT, label="waiting for other ranks in collectives")
+    fig.legend(fontsize=8, loc="lower center", ncol=2)  # before the slow rank's bar turns red
     for y, r in zip(ys, ranks):
         made = 100.0 * slow.caused_ms.get(r, 0.0) / step
         ax.text(1, y, f"made the others wait {made:.0f}% of the step", va="center", fontsize=8, color="white")
     ax.set_yticks(ys, labels)
     if slow.rank is not None:
+        bars[ranks.index(slow.rank)].set_color(_NAMED)
         ax.get_yticklabels()[ranks.index(slow.rank)].set_color(_NAMED)
     ax.invert_yaxis()
     ax.set_xlim(0, 100)
@@ -153,9 +156,7 @@ def draw_ranks(run: PerfRun, slow: SlowRank, path: str) -> Drawn:
     ax.set_title(f"{_name(run)}: {_describe(run)}\n{verdict} ({slow.matched} collectives matched across ranks)",
                  fontsize=9)
     _empty(ax, ranks, "no rank recorded")
-    fig.legend(fontsize=8, loc="lower center", ncol=2)
-    return _save(plt, fig, ax, path, f"rank {slow.rank}" if slow.rank is not None else None,
-                 "per-rank waiting and computing", bottom=0.45 / fig.get_size_inches()[1])
+    return _save(plt, fig, ax, path, "per-rank waiting and computing", bottom=0.45 / fig.get_size_inches()[1])
 
 
 def _empty(ax: Any, rows: list[Any], text: str) -> None:
@@ -163,9 +164,11 @@ def _empty(ax: Any, rows: list[Any], text: str) -> None:
         ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
 
 
-def _save(plt: Any, fig: Any, ax: Any, path: str, highlighted: str | None, what: str, bottom: float = 0.0) -> Drawn:
-    """Write the figure at its own size (no tight crop: the size in pixels is the figure's), then close it."""
+def _save(plt: Any, fig: Any, ax: Any, path: str, what: str, bottom: float = 0.0) -> Drawn:
+    """Write the figure at its own size (no tight crop: the size in pixels is the figure's), then close it; the
+    labels, the red one and the title are read back from the axes, as drawn."""
     labels, title = [t.get_text() for t in ax.get_yticklabels()], ax.get_title()
+    red = [t.get_text() for t in ax.get_yticklabels() if t.get_color() == _NAMED]
     fig.tight_layout(rect=(0.0, bottom, 1.0, 1.0))
     width, height = (int(round(v * DPI)) for v in fig.get_size_inches())
     try:
@@ -176,4 +179,4 @@ def _save(plt: Any, fig: Any, ax: Any, path: str, highlighted: str | None, what:
                              "a writable folder") from None
     finally:
         plt.close(fig)
-    return Drawn(str(path), labels, highlighted or None, title, (width, height), what)
+    return Drawn(str(path), labels, red[0] if red else None, title, (width, height), what)
