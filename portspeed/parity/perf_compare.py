@@ -162,7 +162,7 @@ def slowest_op(e: Excess, ref: PerfRun, run: PerfRun) -> str | None:
 
 
 def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: str | None,
-              chrome: str | None = None, bandwidth: str | None = None) -> int:
+              chrome: str | None = None, bandwidth: str | None = None, png: str | None = None) -> int:
     """``compare --perf``: one folder (the slow rank) or two (REF RUN); raises PerfInputError for bad input."""
     if len(runs) not in (1, 2):
         raise PerfInputError(f"--perf takes one recording (the slow rank) or two (REF RUN), got {len(runs)}")
@@ -176,6 +176,10 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
         note = f"\nchrome trace of {runs[-1]}: {chrome} ({n} events; open it in Perfetto or chrome://tracing)"
     if len(runs) == 1:
         run = read_run(runs[0])
+        if png:  # drawn before anything is said, as the trace: a path that cannot be written is refused first
+            from portspeed.parity.perf_plot import draw_ranks
+
+            note += draw_ranks(run, perf_ranks.find_slow_rank(run), png).note
         code = perf_ranks.report(run, out)
         _collectives(run, table, links, out)
         if json_path:
@@ -186,6 +190,10 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     ref, run = read_run(runs[0]), read_run(runs[1])
     limit = THRESHOLD_POINTS if threshold is None else threshold
     excesses = compare_runs(ref, run)
+    if png:
+        from portspeed.parity.perf_plot import draw_shares
+
+        note += draw_shares(ref, run, excesses, limit, png).note
     top = excesses[0] if excesses else None
     named = top is not None and top.points > limit
     if named:

@@ -162,6 +162,9 @@ class PerfSession:
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
         record.update(_link())
+        from portspeed import get_accelerator
+
+        record["device"] = get_accelerator().name  # the adapter: what `compare --perf --png` titles each run with
         writer.append(self.settings.perf_dir, self.rank, record)
 
 

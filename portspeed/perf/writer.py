@@ -5,6 +5,7 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
 (format ``portspeed-perf`` version 1)::
 
     {"format": "portspeed-perf", "version": 1, "iteration": 3, "rank": 0, "world": 2, "framework": ...,
+     "device": "testdev" (the adapter's name; added by the session, absent from older recordings),
      "clock": "host" | "device-events" | "host-synchronized", "clock_note": "...", "level": "module",
      "syncs_seen_by": "tensor-methods" | "dispatch" | "off",
      "layout": {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "sp": false, "ranks": {...}},
