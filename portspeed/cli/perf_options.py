@@ -20,7 +20,7 @@ from portspeed import config
 from portspeed.cli import recording_options
 from portspeed.errors import ConfigError
 
-__all__ = ["add_arguments", "environment", "export", "existing_recordings"]
+__all__ = ["add_arguments", "environment", "make_folder", "existing_recordings"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +54,7 @@ def environment(args: argparse.Namespace, world: int | None = None) -> dict[str,
     return out
 
 
-def export(values: dict[str, str]) -> None:
-    """Make the folder (after every other check: a refused line creates nothing) and hand the variables on."""
-    recording_options.export(values, "perf", config.PERF_ENV)
+def make_folder(values: dict[str, str]) -> None:
+    """Make the folder (after every other check: a refused line creates nothing); ConfigError when it cannot be
+    made or written."""
+    recording_options.make_folder(values, "perf", config.PERF_ENV)

@@ -19,7 +19,7 @@ from portspeed import config
 from portspeed.cli import recording_options
 from portspeed.errors import ConfigError
 
-__all__ = ["add_arguments", "environment", "export"]
+__all__ = ["add_arguments", "environment", "make_folder"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def environment(args: argparse.Namespace, world: int | None = None) -> dict[str,
     return out
 
 
-def export(values: dict[str, str]) -> None:
-    """Make the folder (after every other check: a refused line creates nothing) and hand the variables to the
-    workers; ConfigError when it cannot be made or written."""
-    recording_options.export(values, "probe", config.PROBE_ENV)
+def make_folder(values: dict[str, str]) -> None:
+    """Make the folder (after every other check: a refused line creates nothing); ConfigError when it cannot be
+    made or written."""
+    recording_options.make_folder(values, "probe", config.PROBE_ENV)

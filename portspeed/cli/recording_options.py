@@ -1,5 +1,5 @@
 """What `portspeed run`'s probe and perf switches share: the companions' check, the folder, iterations, level and
-ranks read by their settings' parsers, the workers' reading, and making the folder.
+ranks read by their settings' parsers, the workers' reading, and making the folder (the launcher hands the variables on).
 
 Why shared: ``--probe DIR`` and ``--perf DIR`` are read the same way (``probe_options``, ``perf_options``): a
 bad switch is refused in one line, exit 2, before any worker starts and before anything is created, and each
@@ -17,7 +17,7 @@ from typing import Any
 from portspeed import config
 from portspeed.errors import ConfigError
 
-__all__ = ["companions", "common_environment", "workers_reading", "export"]
+__all__ = ["companions", "common_environment", "workers_reading", "make_folder"]
 
 
 def companions(kind: str) -> tuple[str, ...]:
@@ -63,9 +63,9 @@ def workers_reading(out: dict[str, str]) -> None:
     config.Settings.from_env({**os.environ, **out})
 
 
-def export(values: dict[str, str], kind: str, env: dict[str, str]) -> None:
-    """Make the folder (after every other check: a refused line creates nothing) and hand the variables to the
-    workers; ConfigError when it cannot be made or written (as root, os.access says yes to /proc)."""
+def make_folder(values: dict[str, str], kind: str, env: dict[str, str]) -> None:
+    """Make the folder (after every other check: a refused line creates nothing); ConfigError when it cannot be
+    made or written (as root, os.access says yes to /proc). `portspeed run` hands the variables on."""
     if not values:
         return
     folder = values[env["dir"]]
@@ -78,4 +78,3 @@ def export(values: dict[str, str], kind: str, env: dict[str, str]) -> None:
     except OSError as exc:
         raise ConfigError(f"--{kind} {folder!r} is not a writable folder ({exc.strerror}); give a folder this user "
                           "can write") from None
-    os.environ.update(values)
