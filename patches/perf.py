@@ -13,8 +13,6 @@ The integrations take the parts for their framework: ``for_megatron()``, ``for_d
 
 from __future__ import annotations
 
-import functools
-
 from portspeed import config
 from portspeed.patching.record import WRAP, Patch
 from portspeed.perf import collectives
@@ -32,11 +30,12 @@ def configured() -> bool:
     return bool(config.settings().perf_dir)
 
 
-@functools.lru_cache(maxsize=1)
-def _collective_patches() -> tuple[Patch, ...]:
+def collective_patches() -> list[Patch]:
+    """The timing wrappers of every collective and point-to-point call this torch has (equal records on every
+    call: ``recorded`` gives one factory per name and slot, so both integrations of one process register one set)."""
     from torch.distributed import distributed_c10d as c10d
 
-    return tuple(Patch(
+    return [Patch(
         name=f"torch.distributed.{fn}.perf",
         target=f"{_MOD}:{fn}",
         kind=WRAP,
@@ -46,13 +45,7 @@ def _collective_patches() -> tuple[Patch, ...]:
         distribution="torch",
         versions=">=2.6",
         reason="--perf: note when this rank entered and left the collective, its bytes and what the router did.",
-    ) for fn in collectives.RECORDED if hasattr(c10d, fn))
-
-
-def collective_patches() -> list[Patch]:
-    """The timing wrappers of every collective and point-to-point call this torch has: the same records every time,
-    so the Megatron and DeepSpeed integrations of one process register one set."""
-    return list(_collective_patches())
+    ) for fn in collectives.RECORDED if hasattr(c10d, fn)]
 
 
 def for_megatron() -> list[Patch]:

@@ -225,6 +225,15 @@ def _perf_level(name: str, value: str) -> str:
     return value.strip().lower()
 
 
+def _bandwidth_file(name: str, value: str) -> str:
+    path = os.path.abspath(os.path.expanduser(value.strip()))
+    if os.path.isdir(path):
+        raise ConfigError(f"{_shown(name, value)} is a folder; give the path of the link bandwidth table's JSON file "
+                          "(created if missing)")
+    writable_folder(name, os.path.dirname(path), " (the table's folder; conformance writes the table there)")
+    return path
+
+
 def _probe_ranks(name: str, value: str) -> tuple[int, ...]:
     parts = [p.strip() for p in value.split(",") if p.strip()]
     if not parts or not all(_COUNT.fullmatch(p) for p in parts):
@@ -336,6 +345,12 @@ TABLE: tuple[Setting, ...] = (
     Setting("PORTSPEED_PERF_LEVEL", "perf_level", _perf_level, "module", "`module` (default) or `op`",
             "each module's forward and backward time; `op` adds each operator's time inside them", "--perf-level",
             needs=_PERF),
+    Setting("PORTSPEED_BANDWIDTH", "bandwidth_file", _bandwidth_file, None,
+            "a JSON file in a writable folder (default `~/.cache/portspeed/bandwidth.json`, under `XDG_CACHE_HOME` "
+            "when set)",
+            "the link bandwidth table: `portspeed conformance --suites bandwidth` writes each collective's measured "
+            "bus bandwidth there, `portspeed compare --perf` reads it beside the achieved one (see performance.md)",
+            switch="--bandwidth", command="portspeed conformance / compare"),
 )
 BY_ENV: dict[str, Setting] = {s.env: s for s in TABLE}
 BY_FIELD: dict[str, Setting] = {s.field: s for s in TABLE}

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.launch import run_python
+from helpers.launch import python_for_children, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -114,8 +114,9 @@ def test_dry_run_runs_every_part(tmp_path: Path) -> None:
     The TE part blocks portspeed's portable-TE patch and serves the TE through gpu_check.py's own import
     hook, the route it takes on CUDA (where portspeed serves no TE), so that route is proven here.
     """
+    python, extra = python_for_children()  # the session's warm Python where it runs: its parts fork from it
     res = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "--dry-run"], cwd=REPO, capture_output=True,
-                         text=True, timeout=4200, env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+                         text=True, timeout=4200, env={**os.environ, **extra, "PYTHON": python, "OMP_NUM_THREADS": "1",
                                                       "GPU_CHECK_LOGS": str(tmp_path), "OUT": ""})
     table = (tmp_path / "table.txt").read_text() if (tmp_path / "table.txt").is_file() else res.stdout[-4000:]
     assert res.returncode == 0, f"{table}\n{res.stderr[-2000:]}"

@@ -202,3 +202,50 @@ def test_info_imports_no_framework() -> None:
         "print(json.dumps(sorted(m for m in ('megatron', 'deepspeed') if m in sys.modules)))\n"
     )
     assert child_json(code, timeout=180) == []
+
+
+
+# ----------------------------------------------------------------------------- a refused adapter
+def _report() -> tuple[dict[str, Any], list[str], list[str]]:
+    """The report, its text's lines and, among them, the adapters table (its heading and one row per adapter)."""
+    report = info.collect()
+    lines = info.render(report).splitlines()
+    start = lines.index("adapters:") + 1
+    return report, lines, lines[start:start + 1 + len(report["adapters"])]
+
+
+def test_a_refused_entry_point_is_said_under_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       portspeed_env: Any) -> None:
+    """An installed entry-point adapter whose module is missing: its row says "refused (below)" and its error
+    follows the table, so no other row is padded to the error's width (the cpu row is the one it was)."""
+    _, _, before = _report()
+    dist = tmp_path / "zeta_adapter-0.1.dist-info"  # a real distribution's metadata, found on sys.path
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zeta-adapter\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[portspeed.adapters]\nzeta = zeta_missing_module:Zeta\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    portspeed_env()  # the selection and the entry-point scan forgotten
+    report, lines, table = _report()
+    assert table[-1].startswith("  zeta ") and table[-1].endswith("refused (below)"), table
+    assert "ModuleNotFoundError" not in "\n".join(table), table
+    cpu = [next(line for line in t if line.startswith("  cpu ")) for t in (before, table)]
+    assert cpu[0] == cpu[1], cpu
+    after = lines[lines.index(table[-1]) + 1]
+    assert after == "  zeta: ERROR ModuleNotFoundError: No module named 'zeta_missing_module'", after
+    assert report["ok"]  # auto-detection still selects an adapter
+
+
+def test_a_refused_adapter_file_is_said_once_under_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            portspeed_env: Any) -> None:
+    """PORTSPEED_ACCELERATOR names a file whose class lacks a member: the row stays narrow, and the error, which is
+    the selection's too, is said once, as the SELECTION ERROR."""
+    (tmp_path / "zeta.py").write_text("from portspeed.vendor import Accelerator\n\n"
+                                      "class Zeta(Accelerator):\n    name = 'zeta'\n    backend = 'gloo'\n")
+    monkeypatch.chdir(tmp_path)
+    portspeed_env(PORTSPEED_ACCELERATOR="zeta.py:Zeta")
+    report, lines, table = _report()
+    assert not report["ok"] and table[-1].startswith("  zeta.py:Zeta ") and table[-1].endswith("refused (below)")
+    assert "lacks the required member" not in "\n".join(table), table
+    text = "\n".join(lines)
+    assert text.count("lacks the required member 'device_type'") == 1, text
+    assert "SELECTION ERROR: AdapterContractError: adapter 'zeta.py:Zeta': adapter class zeta.py:Zeta lacks" in text

@@ -3,7 +3,8 @@
 ``megatron.training.validate_args.cuda_only`` (patches/megatron/training_cuda_only.py):
 context parallelism (Megatron's local attention asserts a context-parallel size of 1; only
 Transformer Engine's attention does more), CUDA graphs, the flex MoE token dispatcher
-(DeepEP / HybridEP / NCCL EP) and ``--tp-comm-overlap`` (userbuffers).
+(DeepEP / HybridEP / NCCL EP), ``--tp-comm-overlap`` (userbuffers) and ``--log-straggler`` (CUDA events
+and NVML).
 
 Three levels: the checks on argument namespaces (no Megatron needed); Megatron-LM's own
 ``parse_args`` + ``validate_args`` on real command lines in a child interpreter (the
@@ -48,6 +49,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                         "--tp-comm-overlap"),
     "local_grouped_gemm": (["--num-experts", "4", "--moe-grouped-gemm"],
                            "--moe-grouped-gemm with --transformer-impl local"),
+    "log_straggler": (["--log-straggler"], "--log-straggler"),
 }
 
 
@@ -72,6 +74,7 @@ def _ns(**kw: object) -> argparse.Namespace:
     ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
     ({"moe_grouped_gemm": True, "transformer_impl": "local"}, "--moe-grouped-gemm with --transformer-impl local"),
     ({"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}, "--moe-use-legacy-grouped-gemm"),
+    ({"log_straggler": True}, "--log-straggler"),
 ])
 def test_each_cuda_only_option_is_named(kw: dict, flag: str) -> None:
     lines = training_cuda_only.refusals(_ns(**kw), "cpu")

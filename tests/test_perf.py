@@ -200,6 +200,34 @@ def test_the_slow_rank_is_in_the_first_line_against_the_clean_tp2_run(runs: dict
         or "rank 1 arrived last" in got["cause"], out[:2000]
 
 
+def test_the_shares_are_drawn_with_the_planted_module_and_the_slow_rank_in_red(runs: dict[str, Any],
+                                                                                tmp_path: Path) -> None:
+    """--png: against the clean run, the .item() plant's module is the bar in red, each run titled with its device
+    and layout; from the one TP2 run, rank 1 is the rank in red (none in the clean TP2 run's). Each PNG is read
+    back at the size drawn (tests/test_perf_plot.py checks the drawing's rules on written recordings)."""
+    require("matplotlib", "pip install 'portspeed[plot]'")
+    import matplotlib.image
+
+    from portspeed.parity import perf_plot
+    from portspeed.parity.perf_compare import THRESHOLD_POINTS, compare_runs
+    from portspeed.parity.perf_format import read_run
+    from portspeed.parity.perf_ranks import find_slow_rank
+
+    code, out, _ = compare(recording(runs, "clean-a"), recording(runs, "item"), "--png", tmp_path / "cmd.png")
+    assert code == 1 and first(out)["module"] == "decoder.layers.1.mlp", out[:2000]
+    assert (tmp_path / "cmd.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ref, run = read_run(str(recording(runs, "clean-a"))), read_run(str(recording(runs, "item")))
+    drawn = perf_plot.draw_shares(ref, run, compare_runs(ref, run), THRESHOLD_POINTS, str(tmp_path / "pair.png"))
+    assert drawn.highlighted == "decoder.layers.1.mlp forward" in drawn.labels, drawn.labels
+    assert "REF clean-a: cpu, tp1 pp1" in drawn.title and "RUN item: cpu, tp1 pp1" in drawn.title, drawn.title
+    for name, red in (("tp2-slow-rank", "rank 1"), ("tp2", None)):
+        run = read_run(str(recording(runs, name)))
+        ranks = perf_plot.draw_ranks(run, find_slow_rank(run), str(tmp_path / f"{name}.png"))
+        assert (ranks.labels, ranks.highlighted) == (["rank 0", "rank 1"], red), (name, ranks)
+    for png, size in (("cmd.png", drawn.size), ("pair.png", drawn.size), ("tp2.png", ranks.size)):
+        assert matplotlib.image.imread(str(tmp_path / png)).shape[:2] == size[::-1], png
+
+
 def test_an_own_loop_marked_with_the_documented_call_is_timed(tmp_path: Path) -> None:
     """portspeed.perf.iteration(n, model) on a plain torch loop: iterations 2-3 written, forward and backward of
     each layer, the .item() inside one layer counted there."""

@@ -15,6 +15,7 @@ own torch loop (torch's DDP, Gloo, 2 ranks) that marks its iterations with ``por
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -41,12 +42,13 @@ TIMEOUT = 300
 STATS = ("Max", "Min", "Mean", "Norm")
 
 
-def portspeed_run(nproc: int, probe: list[str], script: str, args: list[str], adaptor: str = "megatron") -> Result:
+def portspeed_run(nproc: int, probe: list[str], script: str, args: list[str], adaptor: str = "megatron",
+                  env: dict[str, str] | None = None) -> Result:
     """``portspeed run`` with the probe switches on 127.0.0.1 (a taken port is retried once)."""
     for attempt in range(2):
         res = run_python(["-m", "portspeed.cli", "run", "--nproc-per-node", str(nproc), "--master-addr",
                           "127.0.0.1", "--master-port", str(free_port()), "--adaptor", adaptor, *probe, script,
-                          *args], timeout=TIMEOUT, drop=("PORTSPEED_*",))
+                          *args], timeout=TIMEOUT, env=env, drop=("PORTSPEED_*",))
         if res.returncode != 0 and "EADDRINUSE" in res.stderr and attempt == 0:
             continue
         return res
@@ -114,6 +116,7 @@ def test_module_level_is_bit_for_bit_records_the_range_and_names_a_planted_nan(t
     assert meta["format"] == "portspeed-probe" and meta["iteration"] == 2 and meta["level"] == "module"
     assert meta["layout"]["tp"] == 1 and meta["micro_batches"] == 2 and meta["global_batch_size"] == 4
     assert meta["model"]["num_layers"] == 2 and meta["model"]["hidden_size"] == 32
+    assert meta["backend"] == "gloo" and "backend_requested" not in meta  # the example asks for the adapter's own
     data = d["data"]
     fwd = data["Module.decoder.layers.1.mlp.linear_fc1.ColumnParallelLinear.forward.1"]
     assert (fwd["ps_phase"], fwd["ps_micro_batch"], fwd["ps_layer"], fwd["ps_iteration"]) == ("forward", 1, 1, 2)
@@ -139,6 +142,21 @@ def test_module_level_is_bit_for_bit_records_the_range_and_names_a_planted_nan(t
     assert rec["Max"] == max(t) and rec["Min"] == min(t) and rec["ps_nan"] == 0 and rec["ps_inf"] == 0
     assert rec["Mean"] == pytest.approx(math.fsum(t) / len(t), rel=1e-12, abs=1e-15)
     assert rec["Norm"] == pytest.approx(math.sqrt(math.fsum(x * x for x in t)), rel=1e-12)
+
+
+def test_the_dump_records_the_backend_that_ran_and_the_one_asked_for(tmp_path: Path) -> None:
+    """The script asks for nccl, as Megatron-LM's own pretrain_gpt.py does; on the CPU adapter the group runs on
+    Gloo: the run meta says gloo ran and nccl was asked for, and `portspeed compare --probe` reads the dump."""
+    out = tmp_path / "probe"
+    portspeed_run(1, ["--probe", str(out), "--probe-iterations", "1"], SCRIPT,
+                  [*MODEL, "--iters", "1", "--backend", "nccl"], env={"PORTSPEED_ACCELERATOR": "cpu"}).check()
+    meta = dump(out, 1, 0)["portspeed"]
+    assert (meta["adapter"], meta["backend"], meta["backend_requested"]) == ("cpu", "gloo", "nccl"), meta
+    from portspeed.parity import compare
+
+    said = io.StringIO()
+    assert compare.main(["--probe", str(out), str(out)], out=said, err=said) == 0, said.getvalue()
+    assert "cpu/gloo (asked: nccl)" in said.getvalue(), said.getvalue()
 
 
 def test_op_level_and_nan_watch_are_bit_for_bit(tp1: dict, tmp_path: Path) -> None:
@@ -229,6 +247,18 @@ def test_probing_off_installs_nothing() -> None:
     """, timeout=TIMEOUT, drop=("PORTSPEED_*",))
     assert got == {"probe_patches": [], "session": True, "plain": [True] * 4, "global_hooks": 0,
                    "registered": True}, got
+
+
+def test_portspeed_patches_lists_op_level_probe_and_perf_collectives_once(tmp_path: Path) -> None:
+    """`portspeed patches` sets up both integrations, each declaring the collective wrappers: with op-level probing
+    and the perf recording on, each wrapper is one patch, applied (it was a PatchConflictError: a new record per
+    call)."""
+    env = {"PORTSPEED_PROBE_DIR": str(tmp_path / "probe"), "PORTSPEED_PROBE_LEVEL": "op",
+           "PORTSPEED_PERF": str(tmp_path / "perf")}
+    res = run_python(["-m", "portspeed.cli", "patches"], timeout=TIMEOUT, env=env, drop=("PORTSPEED_*",)).check()
+    for name in ("probe", "perf"):
+        rows = re.findall(rf"^(\S+) +torch\.distributed\.all_reduce\.{name} ", res.stdout, re.M)
+        assert rows == ["APPLIED"], (name, rows, res.stdout[-3000:])
 
 
 @pytest.mark.testdev

@@ -20,7 +20,10 @@ and the ``TransformerConfig`` fields it turns into flags): ``--context-parallel-
 with ``--moe-flex-dispatcher-backend`` (``deepep``, ``hybridep``; ``ncclep`` from 0.19) or
 the deprecated ``--moe-enable-deepep``, ``--tp-comm-overlap``, and ``--moe-grouped-gemm`` with
 ``--transformer-impl local`` or ``--moe-use-legacy-grouped-gemm`` (the legacy GroupedMLP's
-``grouped_gemm`` kernels; on the TE path the portable Transformer Engine runs grouped experts).
+``grouped_gemm`` kernels; on the TE path the portable Transformer Engine runs grouped experts), and
+``--log-straggler`` (megatron-core's ``StragglerDetector``: CUDA events, and NVML's temperature, power,
+utilization and clock in every report; refused rather than served because no other device has those
+readings to report, and ``portspeed compare --perf`` names the slow rank on every backend).
 """
 
 from __future__ import annotations
@@ -121,9 +124,18 @@ def _local_grouped_gemm(args: Any, adapter: str) -> list[str]:
             f"{adapter} adapter), or drop --moe-grouped-gemm"]
 
 
+def _log_straggler(args: Any, adapter: str) -> list[str]:
+    if not getattr(args, "log_straggler", False):
+        return []
+    return ["--log-straggler: Megatron's StragglerDetector times with CUDA events and reports each GPU's temperature, "
+            "power, utilization and clock through NVML (NVIDIA only; off CUDA it fails at the first log interval); "
+            "drop it, record with `portspeed run --perf DIR` (PORTSPEED_PERF=DIR under torchrun), then "
+            "`portspeed compare --perf DIR` names the slow rank"]
+
+
 #: every check: (args, adapter name) -> one line per offending flag
 CHECKS: tuple[Callable[[Any, str], list[str]], ...] = (_context_parallel, _cuda_graphs, _flex_dispatcher,
-                                                       _userbuffers, _local_grouped_gemm)
+                                                       _userbuffers, _local_grouped_gemm, _log_straggler)
 
 
 def refusals(args: Any, adapter: str) -> list[str]:
@@ -155,8 +167,8 @@ PATCHES: list[Patch] = [
         when=translated,
         order=1,  # outside validate_args.torch_paths: nothing runs before the refusal
         reason="context parallelism (Transformer Engine's attention), CUDA graphs, the flex MoE token dispatcher "
-        "(DeepEP, HybridEP, NCCL EP), --tp-comm-overlap (userbuffers) and the legacy grouped GEMM need CUDA-only "
-        "machinery; Megatron "
+        "(DeepEP, HybridEP, NCCL EP), --tp-comm-overlap (userbuffers), the legacy grouped GEMM and --log-straggler "
+        "(CUDA events, NVML) need CUDA-only machinery; Megatron "
         "accepts them and fails later or deep inside, so refuse them at start-up naming the flag.",
     ),
 ]

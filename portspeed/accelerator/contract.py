@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from portspeed.accelerator.declarations import (STAGED_BACKEND, check_declarations, groups_backend,
+from portspeed.accelerator.declarations import (STAGED_BACKEND, check_declarations, class_label, groups_backend,
                                                 host_memory_bytes, unknown_total_memory)
 from portspeed.errors import MissingVendorPackageError, PortspeedError
 
@@ -72,10 +72,10 @@ def check_adapter(adapter: Any) -> None:
     if missing:
         cls = adapter if isinstance(adapter, type) else type(adapter)
         what = "; ".join(f"{m!r}: {REQUIRED_MEMBERS[m]}" for m in missing)
+        s, them = ("s", "them") if len(missing) > 1 else ("", "it")
         raise AdapterContractError(
-            f"adapter class {cls.__module__}.{cls.__qualname__} lacks the required member"
-            f"{'s' if len(missing) > 1 else ''} {what}; set {'them' if len(missing) > 1 else 'it'} as class "
-            "attributes (portspeed.vendor: the contract; a base class that adapters subclass passes abstract=True)")
+            f"adapter class {class_label(cls)} lacks the required member{s} {what}; set {them} as class attribute{s} "
+            "(portspeed.vendor: the contract; a base class that adapters subclass passes abstract=True)")
 
 
 class Accelerator:

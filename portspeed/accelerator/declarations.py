@@ -12,10 +12,21 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
-__all__ = ["STAGED_BACKEND", "STAGEABLE", "check_declarations", "groups_backend", "host_memory_bytes",
-           "unknown_total_memory"]
+__all__ = ["STAGED_BACKEND", "STAGEABLE", "WRITTEN_AS", "check_declarations", "class_label", "groups_backend",
+           "host_memory_bytes", "unknown_total_memory"]
+
+#: set by the registry on a module it imports from an adapter file: the file as the user wrote it
+WRITTEN_AS = "__portspeed_written_as__"
+
+
+def class_label(cls: type) -> str:
+    """How a message names an adapter class: ``path/zeta.py:Zeta`` for a class from an adapter file (the user's own
+    words, not the module name the file is imported under, which they never wrote), else ``module.Class``."""
+    written = getattr(sys.modules.get(cls.__module__), WRITTEN_AS, None)
+    return f"{written}:{cls.__qualname__}" if written else f"{cls.__module__}.{cls.__qualname__}"
 
 #: portspeed's own c10d backend for any device: each collective staged through the host on Gloo
 #: (``portspeed.comm.staged``)
@@ -30,7 +41,7 @@ def check_declarations(cls: type, error: type[Exception]) -> None:
     """Refuse, naming the attribute and what it takes, a declaration of the wrong kind (when the class is defined)."""
     from portspeed.settings import TE_KERNEL_OPS
 
-    where = f"adapter class {cls.__module__}.{cls.__qualname__}"
+    where = f"adapter class {class_label(cls)}"
     total = cls.__dict__.get("total_memory_bytes")
     if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total <= 0):
         raise error(f"{where}: total_memory_bytes = {total!r}; give the device's memory in bytes as a positive int "

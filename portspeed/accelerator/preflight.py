@@ -71,14 +71,12 @@ def check_adapter_spec(value: str, var: str = "PORTSPEED_ACCELERATOR=") -> str:
                 f"the entry-point group {registry.ENTRY_POINT_GROUP!r}, or are named as module:Class or "
                 "path/to/file.py:Class; unset it to auto-detect)")
         return name
-    target, _, qualname = name.rpartition(":")
-    if target.endswith(".py"):
-        name = f"{os.path.abspath(target)}:{qualname}"
-    try:
+    try:  # loaded as written, so that its messages name the file so (a relative file: the same module as absolute)
         registry.adapter_class(name)
     except PortspeedError as exc:
         raise type(exc)(f"{var}{value!r}: {str(exc).removeprefix(f'adapter {name!r}: ')}") from None
-    return name
+    target, _, qualname = name.rpartition(":")
+    return f"{os.path.abspath(target)}:{qualname}" if target.endswith(".py") else name
 
 
 def _entry_point_backends() -> set[str]:

@@ -32,6 +32,7 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from portspeed.accelerator.declarations import WRITTEN_AS, class_label
 from portspeed.errors import UnknownAcceleratorError
 
 if TYPE_CHECKING:  # the contract (and torch with it) loads only when an adapter class is asked for
@@ -113,6 +114,7 @@ def _import_file(spec: str, path: str) -> ModuleType:
                                       "from the directory the command was started in)")
     found = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(found)  # type: ignore[arg-type]
+    setattr(module, WRITTEN_AS, spec.rpartition(":")[0])  # messages name its classes as the user wrote them
     sys.modules[name] = module  # before it runs, as an import does (dataclasses and pickling look it up)
     try:
         found.loader.exec_module(module)  # type: ignore[union-attr]
@@ -204,7 +206,8 @@ def adapter_class(name: str) -> type[Accelerator]:
         )
     if not (isinstance(cls, type) and issubclass(cls, Accelerator)):
         raise UnknownAcceleratorError(
-            f"adapter {name!r}: it names {cls!r}, which is not a portspeed.vendor.Accelerator subclass"
+            f"adapter {name!r}: it names {class_label(cls) if isinstance(cls, type) else repr(cls)}, which is not a "
+            "portspeed.vendor.Accelerator subclass"
         )
     try:
         check_adapter(cls)  # an abstract base, or a class whose members were emptied after it was defined

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from portspeed import config
 from portspeed.comm.trace_files import (BEAT_SUFFIX, DUMP_PREFIX, HANG_ENV, TRACE_DIR_ENV, TRACE_ENV, UNRECORDED_SUFFIX,
@@ -68,30 +68,26 @@ class Unrecorded:
 
 
 # ---------------------------------------------------------------------- launcher: settings
-def check(value: str | None) -> float | None:
-    """The hang timeout in seconds (``--hang-timeout``, else PORTSPEED_HANG_TIMEOUT; None: neither), set for the
-    workers; refuse anything but a positive number, and a PORTSPEED_TRACE that turns recording off."""
-    env = dict(os.environ)
-    if value is not None:
-        env[HANG_ENV] = repr(config.parse_seconds("--hang-timeout", value, _HINT))
+def check(value: str | None, env: Mapping[str, str]) -> dict[str, str]:
+    """What ``--hang-timeout`` hands the workers (``{}`` without it), read against ``env``, the environment they
+    will have; refuse anything but a positive number, and a PORTSPEED_TRACE that turns recording off."""
+    out = {} if value is None else {HANG_ENV: repr(config.parse_seconds("--hang-timeout", value, _HINT))}
+    merged = {**env, **out}
     try:
-        s = config.Settings.from_env(env)
+        s = config.Settings.from_env(merged)
     except ConfigError as exc:
         raise HangTimeoutError(str(exc)) from None
     if s.hang_timeout is not None and s.trace == 0:
-        asked = "--hang-timeout" if value is not None else f"{HANG_ENV}={env[HANG_ENV]!r}"
-        raise HangTimeoutError(f"{asked} needs the flight recorder, but {TRACE_ENV}={env[TRACE_ENV]!r} reads 0 "
+        asked = "--hang-timeout" if value is not None else f"{HANG_ENV}={merged[HANG_ENV]!r}"
+        raise HangTimeoutError(f"{asked} needs the flight recorder, but {TRACE_ENV}={merged[TRACE_ENV]!r} reads 0 "
                                f"entries (off); unset {TRACE_ENV} ({config.HANG_TRACE_ENTRIES} entries are used) or "
                                "give it a number of entries")
-    if value is not None:
-        os.environ[HANG_ENV] = env[HANG_ENV]
-        config.reload()
-    return s.hang_timeout
+    return out
 
 
-def prepare() -> str | None:
-    """The dump folder whenever recording is on (made now, named in one line, set for the workers); None when off."""
-    s = config.settings()
+def prepare(s: config.Settings) -> str | None:
+    """The dump folder whenever ``s`` (the launcher's reading of its workers' settings) records: made now and
+    named in one line; the caller hands it to the workers. None when recording is off."""
     if s.trace == 0:
         return None
     folder = s.trace_dir
@@ -105,7 +101,6 @@ def prepare() -> str | None:
                               "directory") from None
     else:
         folder = tempfile.mkdtemp(prefix="portspeed-trace-")
-    os.environ[TRACE_DIR_ENV] = folder
     print(f"portspeed run: flight-recorder dumps go to {folder}", file=sys.stderr, flush=True)
     return folder
 

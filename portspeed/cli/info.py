@@ -294,8 +294,8 @@ def render(report: dict[str, Any]) -> str:
     out += ["", "adapters:"]
     rows = [["name", "package", "installed", "available", "backend", "verified", "selected", "note"]]
     for a in report["adapters"]:
-        if "error" in a:
-            rows.append([a["name"], "-", "-", "-", "-", "-", f"ERROR {a['error']}", ""])
+        if "error" in a:  # the error goes under the table: in a cell it would widen every row to its length
+            rows.append([a["name"], "-", "-", "-", "-", "-", "", "refused (below)"])
             continue
         sel = report.get("selected", {})
         rows.append([
@@ -305,6 +305,9 @@ def render(report: dict[str, Any]) -> str:
         ])
     out += _table(rows)
     sel = report.get("selected")
+    said = sel.get("error") if sel else None
+    out += [f"  {a['name']}: ERROR {a['error']}" for a in report["adapters"]
+            if "error" in a and a["error"] != said]  # the selection's own error is said once, below
     if sel and "error" in sel:
         out += ["", f"SELECTION ERROR: {sel['error']}"]
     if sel and "not_loaded" in sel:
@@ -344,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="portspeed info", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     parser.add_argument("--adapter", default=None, metavar="NAME",
-                        help="report as if PORTSPEED_ACCELERATOR=NAME: an adapter name, module:Class or "
-                        "path/to/file.py:Class")
+                        help="device adapter to report as if PORTSPEED_ACCELERATOR=NAME: an adapter name, "
+                        "module:Class or path/to/file.py:Class")
     args = parser.parse_args(argv)
     if args.adapter is not None:
         import dataclasses

@@ -14,16 +14,17 @@ __all__ = ["main", "COMMANDS"]
 
 #: subcommand -> ("module:function", one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "info": ("portspeed.cli.info:main", "versions, adapters, backend capability gaps, which patch sets apply"),
+    "info": ("portspeed.cli.info:main", "versions, device adapters, backend capability gaps, which patch sets apply"),
     "patches": ("portspeed.cli.patches:main", "list every patch: applied / pending / skipped / failed"),
-    "run": ("portspeed.cli.run:main", "torchrun-compatible launcher that imports the adaptor in every worker"),
+    "run": ("portspeed.cli.run:main",
+            "torchrun-compatible launcher that imports a framework set-up (--adaptor) in every worker"),
     "megatron-tests": ("portspeed.cli.megatron_tests:main",
                        "Megatron-LM's own unit tests (tests/unit_tests of a checkout), launched as its CI does"),
     "why-hung": ("portspeed.cli.why_hung:main", "read the ranks' flight-recorder dumps and name why the job hung"),
     "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
     "precheck": ("portspeed.cli.precheck:main", "replay an op-level probe dump in float64: ops off their band"),
     "conformance": ("portspeed.conformance.__main__:main",
-                    "prove an adapter on its hardware: device, collectives, training vs CPU losses"),
+                    "prove a device adapter on its hardware: device, collectives, training vs CPU losses"),
 }
 
 

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="portspeed megatron-tests",
         description="Run Megatron-LM's tests/unit_tests under portspeed, one torchrun launch per TARGET "
-        "(as Megatron's CI does), on the active adapter (PORTSPEED_ACCELERATOR). Options after '--' go to pytest.")
+        "(as Megatron's CI does), on the active device adapter (PORTSPEED_ACCELERATOR). Options after '--' go to "
+        "pytest.")
     p.add_argument("targets", nargs="+", metavar="TARGET",
                    help="a file or folder under tests/unit_tests (e.g. test_parallel_state.py, tensor_parallel/), "
                    "optionally with a ::test id")

@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deep", action="store_true",
                         help="also list references that could not be rebound (walks the garbage collector; slow)")
     parser.add_argument("--adaptor", choices=list(ADAPTORS), default="all",
-                        help="adaptors to import before listing (default: all; none: list the manager as is)")
+                        help="framework set-ups (adaptors) to import before listing (default: all; none: list the "
+                        "manager as is)")
     parser.add_argument("--import-targets", action="store_true",
                         help="import the module of every pending patch first (imports the frameworks)")
     parser.add_argument("--status", nargs="+", choices=STATUS_ORDER, metavar="STATUS",

@@ -3,7 +3,8 @@
 Why in the launcher: as for the probe (``portspeed.cli.probe_options``), a bad switch is refused in one
 line, exit 2, before any worker starts and before anything is created, and a folder that already holds a
 recording is only knowable for all ranks here. Each switch is read by the parser its variable is declared
-with (``portspeed.settings.TABLE``), so the launcher reads it as every worker, and a torchrun launch, does.
+with (``portspeed.settings.TABLE``), so the launcher reads it as every worker, and a torchrun launch, does;
+what this shares with ``--probe`` is in ``recording_options``.
 
 Switches: ``--perf DIR``, ``--perf-iterations A:B`` (default 2:4), ``--perf-ranks R,...``,
 ``--perf-level module|op``. Every one but ``--perf`` needs ``--perf``.
@@ -14,15 +15,12 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-from typing import Any
 
 from portspeed import config
+from portspeed.cli import recording_options
 from portspeed.errors import ConfigError
 
-__all__ = ["add_arguments", "environment", "export", "existing_recordings"]
-
-#: the switches that need --perf, as argparse names them
-_COMPANIONS = tuple(s.switch[2:].replace("-", "_") for s in config.TABLE if (s.switch or "").startswith("--perf-"))
+__all__ = ["add_arguments", "environment", "make_folder", "existing_recordings"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,31 +42,11 @@ def existing_recordings(folder: str) -> list[str]:
 
 def environment(args: argparse.Namespace, world: int | None = None) -> dict[str, str]:
     """The PORTSPEED_PERF* values for the workers ({} without --perf); ConfigError names the bad switch."""
-    if args.perf is None:
-        given = [n for n in _COMPANIONS if getattr(args, n) is not None]
-        if given:
-            raise ConfigError(f"--{given[0].replace('_', '-')} needs --perf DIR (the folder the timings go to)")
-        return {}
-    by_switch = {s.switch: s for s in config.TABLE if s.switch}
-
-    def parse(switch: str, value: str) -> Any:
-        return by_switch[switch].parse(switch, value)
-
     env = config.PERF_ENV
-    out = {env["dir"]: parse("--perf", args.perf)}
-    if args.perf_iterations is not None:
-        a, b = parse("--perf-iterations", args.perf_iterations)
-        out[env["iterations"]] = f"{a}:{b}"
-    if args.perf_ranks is not None:
-        ranks: tuple[int, ...] = parse("--perf-ranks", args.perf_ranks)
-        outside = [r for r in ranks if world is not None and r >= world]
-        if outside:
-            raise ConfigError(f"--perf-ranks {args.perf_ranks!r}: rank {outside[0]} is not in this job's ranks "
-                              f"0..{world - 1}")
-        out[env["ranks"]] = ",".join(map(str, ranks))
-    if args.perf_level is not None:
-        out[env["level"]] = str(parse("--perf-level", args.perf_level))
-    config.Settings.from_env({**os.environ, **out})  # the workers' reading: refused here if they would refuse it
+    out = recording_options.common_environment(args, "perf", env, world, "the folder the timings go to")
+    if not out:
+        return out
+    recording_options.workers_reading(out)
     found = existing_recordings(out[env["dir"]])
     if found:
         raise ConfigError(f"--perf {args.perf!r} already holds a perf recording ({found[0]}); remove it or choose "
@@ -76,18 +54,7 @@ def environment(args: argparse.Namespace, world: int | None = None) -> dict[str,
     return out
 
 
-def export(values: dict[str, str]) -> None:
-    """Make the folder (after every other check: a refused line creates nothing) and hand the variables on."""
-    if not values:
-        return
-    folder = values[config.PERF_ENV["dir"]]
-    try:
-        os.makedirs(folder, exist_ok=True)
-        check = os.path.join(folder, f".portspeed-write-check-{os.getpid()}")
-        with open(check, "w"):
-            pass
-        os.remove(check)
-    except OSError as exc:
-        raise ConfigError(f"--perf {folder!r} is not a writable folder ({exc.strerror}); give a folder this user "
-                          "can write") from None
-    os.environ.update(values)
+def make_folder(values: dict[str, str]) -> None:
+    """Make the folder (after every other check: a refused line creates nothing); ConfigError when it cannot be
+    made or written."""
+    recording_options.make_folder(values, "perf", config.PERF_ENV)

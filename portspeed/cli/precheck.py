@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", help="the folder of `portspeed run --probe DIR --probe-level op`")
     p.add_argument("--inputs", choices=("auto", "tensors", "statistics"), default="auto",
                    help="replay from the tensors --probe-tensors saved, or from inputs drawn from the statistics (run "
-                        "on the active adapter's device); auto: saved tensors where an op has them")
+                        "on the active device adapter's device); auto: saved tensors where an op has them")
     p.add_argument("--ops", default="*", metavar="GLOB", help="only the entries whose key matches (e.g. 'Kernel.*')")
     p.add_argument("--show", type=int, default=20, metavar="N", help="list the N worst (0: all); default 20")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)

@@ -4,7 +4,7 @@ Why in the launcher: a bad switch must be refused in one line, exit 2, before an
 and before anything is created or overwritten, and a folder that already holds a dump is only
 knowable for all ranks here (each rank can only check its own). Each switch is read by the parser its
 variable is declared with (``portspeed.settings.TABLE``), the one every worker applies to the variable, the same
-reading a torchrun launch gets.
+reading a torchrun launch gets. What it shares with ``--perf`` is in ``recording_options``.
 
 Switches: ``--probe DIR``, ``--probe-iterations A:B`` (default 1:1), ``--probe-level module|op``,
 ``--probe-ranks R,...``, ``--probe-modules GLOB``, ``--probe-tensors GLOB``, ``--probe-nan``,
@@ -14,16 +14,12 @@ Switches: ``--probe DIR``, ``--probe-iterations A:B`` (default 1:1), ``--probe-l
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Any
 
 from portspeed import config
+from portspeed.cli import recording_options
 from portspeed.errors import ConfigError
 
-__all__ = ["add_arguments", "environment", "export"]
-
-#: the switches that need --probe, as argparse names them (declared with their settings: portspeed.settings.TABLE)
-_COMPANIONS = tuple(s.switch[2:].replace("-", "_") for s in config.TABLE if (s.switch or "").startswith("--probe-"))
+__all__ = ["add_arguments", "environment", "make_folder"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,40 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def environment(args: argparse.Namespace, world: int | None = None) -> dict[str, str]:
     """The PORTSPEED_PROBE_* values for the workers ({} without --probe); ConfigError names the bad switch."""
-    if args.probe is None:
-        given = [n for n in _COMPANIONS if getattr(args, n) not in (None, False)]
-        if given:
-            raise ConfigError(f"--{given[0].replace('_', '-')} needs --probe DIR (the folder the probe writes)")
-        return {}
-    parsers = {s.switch: s for s in config.TABLE if s.switch}
-
-    def parse(switch: str, value: str) -> Any:
-        """The switch read by its setting's own parser (the one every worker uses on the variable)."""
-        return parsers[switch].parse(switch, value)
-
     env = config.PROBE_ENV
-    out = {env["dir"]: parse("--probe", args.probe)}
-    if args.probe_iterations is not None:
-        a, b = parse("--probe-iterations", args.probe_iterations)
-        out[env["iterations"]] = f"{a}:{b}"
-    if args.probe_level is not None:
-        out[env["level"]] = str(parse("--probe-level", args.probe_level))
-    if args.probe_ranks is not None:
-        ranks: tuple[int, ...] = parse("--probe-ranks", args.probe_ranks)
-        outside = [r for r in ranks if world is not None and r >= world]
-        if outside:
-            raise ConfigError(f"--probe-ranks {args.probe_ranks!r}: rank {outside[0]} is not in this job's ranks "
-                              f"0..{world - 1}")
-        out[env["ranks"]] = ",".join(map(str, ranks))
+    out = recording_options.common_environment(args, "probe", env, world, "the folder the probe writes")
+    if not out:
+        return out
     for name in ("modules", "tensors"):
         value = getattr(args, f"probe_{name}")
         if value is not None:
-            out[env[name]] = str(parse(f"--probe-{name}", value))
+            out[env[name]] = str(recording_options.parse(f"--probe-{name}", value))
     if args.probe_nan:
         out[env["nan"]] = "1"
     if args.probe_inputs:
         out[env["inputs"]] = "1"
-    config.Settings.from_env({**os.environ, **out})  # the workers' reading: refused here if they would refuse it
+    recording_options.workers_reading(out)
     from portspeed.probe.writer import existing_dumps
 
     found = existing_dumps(out[env["dir"]])
@@ -90,19 +65,7 @@ def environment(args: argparse.Namespace, world: int | None = None) -> dict[str,
     return out
 
 
-def export(values: dict[str, str]) -> None:
-    """Make the folder (after every other check: a refused line creates nothing) and hand the variables to the
-    workers; ConfigError when it cannot be made or written (as root, os.access says yes to /proc)."""
-    if not values:
-        return
-    folder = values[config.PROBE_ENV["dir"]]
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f".portspeed-write-check-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        raise ConfigError(f"--probe {folder!r} is not a writable folder ({exc.strerror}); give a folder this user "
-                          "can write") from None
-    os.environ.update(values)
+def make_folder(values: dict[str, str]) -> None:
+    """Make the folder (after every other check: a refused line creates nothing); ConfigError when it cannot be
+    made or written."""
+    recording_options.make_folder(values, "probe", config.PROBE_ENV)

@@ -53,6 +53,7 @@ import importlib.util
 import os
 import sys
 
+from portspeed import config
 from portspeed.cli import failures, hang_watch, perf_options, probe_options
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
@@ -76,15 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
     parser.prog = "portspeed run"
     parser.description = (
-        "torchrun-compatible launcher: every worker imports a portspeed adaptor, then runs "
+        "torchrun-compatible launcher: every worker imports a framework set-up (--adaptor), then runs "
         "TRAINING_SCRIPT unedited. All torchrun options are accepted."
     )
     parser.add_argument(
         "--adaptor",
         default="megatron",
         metavar="NAME",
-        help="adaptor imported in every worker before the script: megatron (default), deepspeed, "
-        "none, or a dotted module name",
+        help="framework set-up (adaptor) imported in every worker before the script: megatron (default), "
+        "deepspeed, none, or a dotted module name (the device adapter is chosen by PORTSPEED_ACCELERATOR)",
     )
     parser.add_argument(
         "--hang-timeout",
@@ -188,7 +189,6 @@ def _script_layout(script_args: list[str]) -> dict[str, int]:
 def _preflight(args: argparse.Namespace, adaptor_module: str | None) -> dict[str, str]:
     """Before any worker starts: settings by name and value, the device and the layout (see accelerator.preflight);
     returns the settings resolved here that the workers get through their environment."""
-    from portspeed import config
     from portspeed.accelerator import preflight
 
     settings = preflight.check_settings()
@@ -235,18 +235,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
     try:
-        hang_s = hang_watch.check(args.hang_timeout)
-        folder = hang_watch.prepare()
+        hang = hang_watch.check(args.hang_timeout, {**os.environ, **handed, **probe, **perf})
+        handed.update({**probe, **perf, **hang})
+        settings = config.Settings.from_env({**os.environ, **handed})  # the workers' reading, read here once
+        folder = hang_watch.prepare(settings)
+        probe_options.make_folder(probe)  # the folders are made last: a refused command line creates nothing
+        perf_options.make_folder(perf)
     except PortspeedError as exc:
         print(f"portspeed run: error: {exc}", file=sys.stderr)
         return 2
-    try:
-        probe_options.export(probe)  # the probe folder is made last: a refused command line creates nothing
-        perf_options.export(perf)
-    except PortspeedError as exc:
-        print(f"portspeed run: error: {exc}", file=sys.stderr)
-        return 2
-    os.environ.update(handed)  # the workers inherit this process's environment
+    if folder is not None:
+        handed[hang_watch.TRACE_DIR_ENV] = folder
+    hang_s = settings.hang_timeout
+    os.environ.update(handed)  # the one write: the workers inherit this process's environment
     worker_command(args, adaptor_module)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -54,7 +54,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         )
     cut = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m portspeed.cli.worker", add_help=False)
-    parser.add_argument("--adaptor", required=True)
+    parser.add_argument("--adaptor", required=True, help="framework set-up (adaptor) module imported first")
     parser.add_argument("--module", action="store_true")
     # torchrun adds --local-rank=N here when it runs in its legacy (use_env=False) mode;
     # it belongs to the script, so it is handed on.

@@ -15,6 +15,8 @@ This kit is what a vendor (or a user) runs on its own machine against any adapte
   does not have as one that can go: ``gaps``; the calls each rank makes: ``collective_cases``);
 - ``training``: the example GPT trainer (megatron-core, TP2 on 2 ranks, fp32) compared with
   the CPU loss record shipped in this package.
+- ``bandwidth`` (only when named): each collective's algorithm and bus bandwidth by message and group size,
+  written into the link table `portspeed compare --perf` reads (``bandwidth.py``).
 
 Run it with ``portspeed conformance --adapter NAME`` (``NAME``: an adapter's name,
 ``module:Class`` or ``path/to/file.py:Class``; exit 0: every check passed). The portspeed test

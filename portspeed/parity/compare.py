@@ -9,6 +9,9 @@
     portspeed compare --perf REF_DIR RUN_DIR [--threshold POINTS] [--json out.json]
                                                            # where RUN is slow against REF (perf_compare)
     portspeed compare --perf RUN_DIR [--chrome trace.json]  # the slow rank of one run (perf_ranks), its timeline
+                                                           # both --perf forms: [--bandwidth FILE], the link table
+                                                           # `portspeed conformance --suites bandwidth` wrote
+    portspeed compare --perf [REF_DIR] RUN_DIR --png shares.png  # the shares drawn (perf_plot; needs matplotlib)
 
 The first RUN is the reference. Exit status: 0 every run within tolerance, 1 some run
 outside it, 2 bad input (missing file, unknown format, no loss lines, mismatched iteration
@@ -29,6 +32,7 @@ from typing import Any, Sequence, TextIO
 from portspeed.errors import PortspeedError
 from portspeed.parity.losslog import LossRecord, read_record
 from portspeed.parity.tolerance import METRICS, Comparison, Tolerance, compare_many, pick_tolerance
+from portspeed.settings import BY_ENV
 
 __all__ = ["main", "build_parser", "format_table", "format_markdown", "report_json"]
 
@@ -72,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "points (default 10)")
     p.add_argument("--chrome", default=None, metavar="FILE",
                    help="--perf: also write RUN's timeline as a Chrome trace (Perfetto, chrome://tracing)")
+    p.add_argument("--bandwidth", default=None, metavar="FILE",
+                   help="--perf: the link bandwidth table `portspeed conformance --suites bandwidth` wrote (default "
+                        "PORTSPEED_BANDWIDTH, else ~/.cache/portspeed/bandwidth.json)")
+    p.add_argument("--png", default=None, metavar="FILE",
+                   help="--perf: also draw the shares as a PNG (REF beside RUN; one RUN: per rank; needs matplotlib)")
     return p
 
 
@@ -256,8 +265,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         return EXIT_BAD_INPUT if e.code else EXIT_OK
     if args.perf:
         return _main_perf(args, out, err)
-    if args.threshold is not None or args.chrome is not None:
-        print("portspeed compare: error: --threshold and --chrome apply to --perf recordings only", file=err)
+    if any(v is not None for v in (args.threshold, args.chrome, args.bandwidth, args.png)):
+        print("portspeed compare: error: --threshold, --chrome, --bandwidth and --png apply to --perf recordings "
+              "only", file=err)
         return EXIT_BAD_INPUT
     if args.probe:
         return _main_probe(args, out, err)
@@ -315,11 +325,16 @@ def _main_perf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     given = [f"--{o}" for o in _NOT_WITH_PERF if getattr(args, o) not in (None, False)]
     if given:
         print(f"portspeed compare: error: {' '.join(given)} do not apply to perf recordings; --perf takes "
-              "--threshold, --json and --chrome", file=err)
+              "--threshold, --json, --chrome, --bandwidth and --png", file=err)
         return EXIT_BAD_INPUT
     from portspeed.parity.perf_compare import main_perf  # only --perf users pay for it
     try:
-        return main_perf(args.runs, out, args.threshold, args.json, args.chrome)
+        from portspeed.parity.perf_plot import png_or_note
+
+        bandwidth = None if args.bandwidth is None else BY_ENV["PORTSPEED_BANDWIDTH"].parse("--bandwidth",
+                                                                                           args.bandwidth)
+        return main_perf(args.runs, out, args.threshold, args.json, args.chrome, bandwidth,
+                         png_or_note(args.png, err))
     except PortspeedError as e:
         print(f"portspeed compare: error: {e}", file=err)
     except OSError as e:

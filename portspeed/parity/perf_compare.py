@@ -17,7 +17,8 @@ The cause is what was seen inside that part on RUN (and how often on REF): host 
 host<->device copies, ops run through the CPU fallback, the portable TE's kernels run in another
 implementation than on REF (or the reference one), collectives the router rewrote, and waiting for other
 ranks (with the rank that arrived last); when none of those, its own work is slower. Then the ten
-largest excesses and the collectives with their achieved bus bandwidth (nccl-tests' factors). Exit 0
+largest excesses and the collectives with their achieved bus bandwidth (nccl-tests' factors) beside the one
+measured for that link (``perf_links``: ``portspeed conformance --suites bandwidth``). Exit 0
 when no part exceeds the threshold (printed), 1 when a part is named, 2 when an input cannot be used.
 """
 
@@ -27,8 +28,9 @@ import dataclasses
 import json
 from typing import Any, TextIO
 
-from portspeed.parity import perf_ranks
+from portspeed.parity import perf_links, perf_ranks
 from portspeed.parity.perf_format import PerfInputError, PerfRun, median, read_run, share
+from portspeed.parity.perf_links import bus_factor
 
 __all__ = ["THRESHOLD_POINTS", "Excess", "compare_runs", "main_perf", "bus_factor"]
 
@@ -159,42 +161,13 @@ def slowest_op(e: Excess, ref: PerfRun, run: PerfRun) -> str | None:
     return op if grew[op] > 0 else None
 
 
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' factor from algorithm to bus bandwidth for ``op`` on ``n`` ranks."""
-    if n < 2:
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op.startswith(("all_gather", "reduce_scatter", "all_to_all")):
-        return (n - 1) / n
-    return 1.0
-
-
-def collectives_table(run: PerfRun) -> list[str]:
-    """Per (op, group size, bytes, dtype): calls, time, wait for the last rank, transfer, achieved bus bandwidth."""
-    rows: dict[tuple, list[tuple[float, float, float]]] = {}
-    for it in run.iterations:
-        for m in run.matches(it):
-            for r, c in m.calls.items():
-                transfer = m.transfer_ms(r)
-                if transfer is None:
-                    continue
-                key = (m.op, len(m.group), int(c.get("bytes") or 0), c.get("dtype"))
-                rows.setdefault(key, []).append(((c["leave"] - c["enter"]) * 1e3, m.wait_ms(r), transfer))
-    out = ["op                        ranks       bytes  dtype      calls  time ms  wait ms  xfer ms  busbw GB/s"]
-    for (op, n, nbytes, dtype), got in sorted(rows.items(), key=lambda kv: -sum(t for t, _, _ in kv[1])):
-        t, w, x = (median([g[i] for g in got]) for i in range(3))
-        bw = nbytes / (x / 1e3) / 1e9 * bus_factor(op, n) if x > 0 else 0.0
-        out.append(f"{op:<24}  {n:>5}  {nbytes:>10}  {str(dtype):<9}  {len(got):>5}  {t:>7.3f}  {w:>7.3f}  "
-                   f"{x:>7.3f}  {bw:>10.3f}")
-    return out if len(out) > 1 else ["(no collective was recorded by every rank of its group)"]
-
-
 def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: str | None,
-              chrome: str | None = None) -> int:
+              chrome: str | None = None, bandwidth: str | None = None, png: str | None = None) -> int:
     """``compare --perf``: one folder (the slow rank) or two (REF RUN); raises PerfInputError for bad input."""
     if len(runs) not in (1, 2):
         raise PerfInputError(f"--perf takes one recording (the slow rank) or two (REF RUN), got {len(runs)}")
+    table = bandwidth or perf_links.default_path()
+    links = perf_links.read_table(table)  # a damaged table is refused before anything is written or said
     note = ""
     if chrome:  # written first: a path that cannot be written is refused before anything is said
         from portspeed.parity.perf_chrome import write_chrome
@@ -203,7 +176,12 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
         note = f"\nchrome trace of {runs[-1]}: {chrome} ({n} events; open it in Perfetto or chrome://tracing)"
     if len(runs) == 1:
         run = read_run(runs[0])
+        if png:  # drawn before anything is said, as the trace: a path that cannot be written is refused first
+            from portspeed.parity.perf_plot import draw_ranks
+
+            note += draw_ranks(run, perf_ranks.find_slow_rank(run), png).note
         code = perf_ranks.report(run, out)
+        _collectives(run, table, links, out)
         if json_path:
             _dump(json_path, {"slow_rank": perf_ranks.describe(run), "exit": code})
         if note:
@@ -212,6 +190,10 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     ref, run = read_run(runs[0]), read_run(runs[1])
     limit = THRESHOLD_POINTS if threshold is None else threshold
     excesses = compare_runs(ref, run)
+    if png:
+        from portspeed.parity.perf_plot import draw_shares
+
+        note += draw_shares(ref, run, excesses, limit, png).note
     top = excesses[0] if excesses else None
     named = top is not None and top.points > limit
     if named:
@@ -232,10 +214,7 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     for e in [e for e in excesses if e.points >= 0.05][:10] or excesses[:1]:
         print(f"  {e.points:+6.1f} points  {e.run_share:5.1f}% vs {e.ref_share:5.1f}%  {e.ms:+8.2f} ms  rank {e.rank}  "
               f"iteration {e.iteration}  {_part(e)}", file=out)
-    print("\ncollectives on RUN (median per call; wait: for the last rank to arrive; busbw from the transfer):",
-          file=out)
-    for row in collectives_table(run):
-        print(f"  {row}", file=out)
+    _collectives(run, table, links, out)
     if json_path:
         _dump(json_path, {"threshold": limit, "named": named, "excesses": [dict(dataclasses.asdict(e),
                                                                                 points=e.points)
@@ -243,6 +222,13 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     if note:
         print(note, file=out)
     return 1 if named else 0
+
+
+def _collectives(run: PerfRun, table: str, links: list[dict[str, Any]], out: TextIO) -> None:
+    print("\ncollectives on RUN (median per call; wait: for the last rank to arrive; busbw from the transfer; "
+          "link: the busbw measured on that link):", file=out)
+    for row in perf_links.collectives_table(run, table, links):
+        print(f"  {row}", file=out)
 
 
 def _span(values: list[int]) -> str:

@@ -19,7 +19,7 @@ from typing import Sequence
 from portspeed.errors import PortspeedError
 from portspeed.parity.tolerance import Comparison
 
-__all__ = ["PlotUnavailableError", "plot_comparisons", "INSTALL_HINT"]
+__all__ = ["PlotUnavailableError", "plot_comparisons", "load_pyplot", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'portspeed[plot]'  (or: pip install matplotlib)"
 
@@ -28,12 +28,13 @@ class PlotUnavailableError(PortspeedError, ImportError):
     """matplotlib is not installed, so no plot can be drawn."""
 
 
-def _pyplot():
+def load_pyplot(option: str = "--plot"):
+    """matplotlib's pyplot drawing to files only; `PlotUnavailableError` naming ``option`` and the install hint."""
     try:
         import matplotlib
     except ImportError as e:
-        raise PlotUnavailableError(
-            f"--plot needs matplotlib, which is not installed; install it with: {INSTALL_HINT}") from e
+        raise PlotUnavailableError(f"{option} needs matplotlib, which is not installed; install it with: "
+                                   f"{INSTALL_HINT}") from e
     matplotlib.use("Agg", force=True)  # files only: never open a window or need a display
     import matplotlib.pyplot as plt
     return plt
@@ -47,7 +48,7 @@ def plot_comparisons(comps: Sequence[Comparison], path: str | Path) -> Path:
     """Draw every comparison (grouped by metric) into one PNG at ``path`` and return the path."""
     if not comps:
         raise PortspeedError("nothing to plot: no comparisons")
-    plt = _pyplot()
+    plt = load_pyplot()
     metrics = list(dict.fromkeys(c.metric for c in comps))
     fig, axes = plt.subplots(2, len(metrics), figsize=(7 * len(metrics), 7), squeeze=False, sharex="col")
     for col, metric in enumerate(metrics):

@@ -271,7 +271,8 @@ def _meta_str(d: ProbeDump) -> str:
     lay = m.get("layout") or {}
     bits = [f"{k}{v}" for k, v in lay.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1]
     bits += [k for k, v in lay.items() if v is True]
-    return (f"  ({m.get('device', '?')}/{m.get('backend', '?')}, {m.get('dtype', '?')}, "
+    asked = f" (asked: {m['backend_requested']})" if m.get("backend_requested") else ""
+    return (f"  ({m.get('device', '?')}/{m.get('backend', '?')}{asked}, {m.get('dtype', '?')}, "
             f"layout {' '.join(bits) or 'one rank'}, {len({r for _, r in d.ranks})} rank(s))")
 
 

@@ -20,56 +20,35 @@ Each rank appends one JSON line per timed iteration to ``DIR/rank<R>.jsonl`` (``
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any, ContextManager
+
+from portspeed.probe.sessions import LoopMarks
 
 __all__ = ["iteration", "begin_iteration", "end_iteration", "forward_backward_done", "active"]
 
-
-def _chunks(model: Any) -> list:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+_MARKS = LoopMarks("portspeed.perf.session", is_active=lambda s: s.open)
 
 
 def begin_iteration(n: int, model: Any) -> None:
     """Iteration ``n`` (1-based) of ``model`` (a module, or a list of model chunks) begins."""
-    from portspeed.perf import session
-
-    s = session.current()
-    if s is not None:
-        s.begin(int(n), _chunks(model), framework="loop", explicit=True)
+    _MARKS.begin(n, model)
 
 
 def forward_backward_done() -> None:
     """Optional: the forward and backward are over (what follows is timed as the optimizer step)."""
-    from portspeed.perf import session
-
-    s = session.current()
-    if s is not None:
-        s.forward_backward_done()
+    _MARKS.call("forward_backward_done")
 
 
 def end_iteration() -> None:
     """The iteration begun by ``begin_iteration`` is over: its line is written."""
-    from portspeed.perf import session
-
-    s = session.current()
-    if s is not None:
-        s.end()
+    _MARKS.call("end")
 
 
-@contextlib.contextmanager
-def iteration(n: int, model: Any) -> Iterator[None]:
+def iteration(n: int, model: Any) -> ContextManager[None]:
     """``begin_iteration(n, model)`` ... ``end_iteration()`` around the block (also when it raises)."""
-    begin_iteration(n, model)
-    try:
-        yield
-    finally:
-        end_iteration()
+    return _MARKS.around(n, model)
 
 
 def active() -> bool:
     """Whether an iteration is being timed in this process now."""
-    from portspeed.perf import session
-
-    s = session.current()
-    return s is not None and s.open
+    return _MARKS.active()

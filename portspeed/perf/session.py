@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import torch
 
-from portspeed import config
 from portspeed.errors import ConfigError
 from portspeed.perf import collectives, te_kernels, writer
 from portspeed.perf.clock import Clock, make_clock
@@ -33,29 +32,21 @@ from portspeed.perf.spans import SpanHooks
 from portspeed.perf.syncs import MethodWatch
 from portspeed.probe import meta
 from portspeed.probe.modules import ModuleTable
+from portspeed.probe.sessions import ProcessSession
 
 __all__ = ["PerfSession", "current", "reset"]
 
-_session: list["PerfSession | None"] = [None]
+_ONE: ProcessSession["PerfSession"] = ProcessSession("perf_dir", lambda settings: PerfSession(settings))
 
 
 def current() -> "PerfSession | None":
     """This process's perf session, made on first use; None when ``PORTSPEED_PERF`` is not set."""
-    s = _session[0]
-    if s is None:
-        settings = config.settings()
-        if not settings.perf_dir:
-            return None
-        s = _session[0] = PerfSession(settings)
-    return s
+    return _ONE.current()
 
 
 def reset() -> None:
     """Forget the session (tests; an open iteration is ended first)."""
-    s = _session[0]
-    if s is not None:
-        s.end()
-    _session[0] = None
+    _ONE.reset()
 
 
 class PerfSession:
@@ -170,6 +161,10 @@ class PerfSession:
             calls=self.timer.calls, level=self.level, wall0=self.wall0, syncs_seen_by=self.sees,
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
+        record.update(_link())
+        from portspeed import get_accelerator
+
+        record["device"] = get_accelerator().name  # the adapter: what `compare --perf --png` titles each run with
         writer.append(self.settings.perf_dir, self.rank, record)
 
 
@@ -187,6 +182,24 @@ def _memory_counter() -> Any:
     except Exception:  # no allocator statistics on this device
         return ()
     return (acc.max_memory_allocated, acc.reset_peak_memory_stats)
+
+
+def _link() -> dict[str, Any]:
+    """The adapter, the default group's real backend and the host: the key of the link bandwidth table
+    (``portspeed.parity.perf_links``) that `compare --perf` reads beside RUN's collectives."""
+    import socket
+
+    import torch.distributed as dist
+
+    from portspeed import comm, get_accelerator
+
+    backend = None
+    if dist.is_available() and dist.is_initialized():
+        try:
+            backend = comm.real_backend()
+        except ValueError:  # the default group is gone
+            backend = None
+    return {"adapter": get_accelerator().name, "backend": backend, "host": socket.gethostname()}
 
 
 def _pp() -> int:

@@ -5,6 +5,7 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
 (format ``portspeed-perf`` version 1)::
 
     {"format": "portspeed-perf", "version": 1, "iteration": 3, "rank": 0, "world": 2, "framework": ...,
+     "device": "testdev" (the adapter's name; added by the session, absent from older recordings),
      "clock": "host" | "device-events" | "host-synchronized", "clock_note": "...", "level": "module",
      "syncs_seen_by": "tensor-methods" | "dispatch" | "off",
      "layout": {"tp": 2, "pp": 1, "cp": 1, "ep": 1, "dp": 1, "sp": false, "ranks": {...}},
@@ -17,6 +18,8 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
                       "reduce_op": "SUM", "module": "...", "phase": "forward", "enter": ..., "leave": ...,
                       "rewrites": {}}, ...]}
 
+The session adds the link's key: ``"adapter"``, ``"backend"`` (the default group's real backend) and
+``"host"``, which ``portspeed compare --perf`` looks up in the link bandwidth table (``parity.perf_links``).
 ``spans`` lists every call as ``[path, phase, start_ms, end_ms]`` from the iteration's start (for a Chrome
 trace: ``portspeed compare --perf RUN --chrome FILE``). ``parts`` has one row per (module path, phase), summed over
 micro-batches and calls, plus two rows for the time outside every module: ``(outside-modules)`` (phase

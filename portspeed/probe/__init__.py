@@ -18,50 +18,31 @@ The format is docs/probe-format.md; ``portspeed compare --probe REF RUN`` reads 
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any, ContextManager
+
+from portspeed.probe.sessions import LoopMarks
 
 __all__ = ["iteration", "begin_iteration", "end_iteration", "active"]
 
-
-def _chunks(model: Any) -> list:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+_MARKS = LoopMarks("portspeed.probe.session", is_active=lambda s: s.record is not None,
+                   begun=lambda s: s.watch_torch_optimizers())
 
 
 def begin_iteration(n: int, model: Any) -> None:
     """Iteration ``n`` (1-based, as the loop counts) of ``model`` (a module, or a list of model chunks) begins."""
-    from portspeed.probe import session
-
-    s = session.current()
-    if s is not None:
-        s.begin(int(n), _chunks(model), framework="loop", explicit=True)
-        s.watch_torch_optimizers()
+    _MARKS.begin(n, model)
 
 
 def end_iteration() -> None:
     """The iteration begun by ``begin_iteration`` is over: its dump is written (and --probe-nan checks it)."""
-    from portspeed.probe import session
-
-    s = session.current()
-    if s is not None:
-        s.end()
+    _MARKS.call("end")
 
 
-@contextlib.contextmanager
-def iteration(n: int, model: Any) -> Iterator[None]:
+def iteration(n: int, model: Any) -> ContextManager[None]:
     """``begin_iteration(n, model)`` ... ``end_iteration()`` around the block (also when it raises)."""
-    begin_iteration(n, model)
-    try:
-        yield
-    finally:
-        end_iteration()
+    return _MARKS.around(n, model)
 
 
 def active() -> bool:
     """Whether an iteration is being recorded (or watched by --probe-nan) in this process now."""
-    from portspeed.probe import session
-
-    s = session.current()
-    return s is not None and s.record is not None
-
-
+    return _MARKS.active()

@@ -62,9 +62,11 @@ def set_target(target: Any) -> None:
 ProbedWork = ThenWork
 
 
+@functools.lru_cache(maxsize=None)
 def recorded(name: str, slot: Slot = _SLOT, prefix: str = "probe") -> Callable[[Callable], Callable]:
     """A factory ``make(original) -> wrapper`` (``style="function"``) recording ``name`` while ``slot`` has a
-    target (default: the probe's)."""
+    target (default: the probe's). One factory per (name, slot, prefix): a patch declared twice in a process
+    (the Megatron and the DeepSpeed integrations both take the collectives) is then the same record, not a clash."""
 
     def make(original: Callable) -> Callable:
         @functools.wraps(original)

@@ -122,12 +122,30 @@ def _model(table: ModuleTable, parallel: lay.Parallel, pp: int) -> dict[str, Any
             "num_moe_experts": getattr(config, "num_moe_experts", None), "parameters": params}
 
 
+def _backends() -> tuple[str | None, str | None]:
+    """(the backend the default group runs on, the one the script asked for when it differs, else None).
+
+    Why both: the script's name is not what ran. Megatron asks for ``nccl``; on the CPU adapter the router makes
+    the group on Gloo, and ``dist.get_backend()`` answers ``nccl`` back to framework code (``portspeed.comm``).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    from portspeed.comm import real_backend, requested_backend
+
+    asked = requested_backend() or dist.get_backend()
+    try:
+        ran = real_backend()
+    except ValueError:  # a default group torch does not list (torn down): what it answers is all there is
+        ran = asked
+    return ran, (asked if asked != ran else None)
+
+
 def run_meta(*, iteration: int, level: str, framework: str, table: ModuleTable, chunks: Sequence[torch.nn.Module],
              parallel: lay.Parallel, context: dict[str, Any], micro_batches: int, nan_check: bool,
              loss_scale: float | None) -> dict[str, Any]:
     """The ``"portspeed"`` block of dump.json (docs/probe-format.md, "The run meta")."""
-    import torch.distributed as dist
-
     rank, world = _world()
     ps = _ps()
     pp = ps.get_pipeline_model_parallel_world_size() if ps is not None else 1
@@ -139,7 +157,7 @@ def run_meta(*, iteration: int, level: str, framework: str, table: ModuleTable, 
         device, adapter = acc.device_type, acc.name
     except Exception:  # no adapter can be chosen here: the model's device says enough
         device, adapter = None, None
-    backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+    backend, asked = _backends()
     mbs = context.get("micro_batch_size")
     gbs = mbs * micro_batches * parallel.dp if isinstance(mbs, int) else context.get("global_batch_size")
     scale = context.get("grad_scale")
@@ -147,7 +165,8 @@ def run_meta(*, iteration: int, level: str, framework: str, table: ModuleTable, 
         scale = scale * loss_scale
     return {"format": FORMAT, "version": VERSION, "iteration": iteration, "rank": rank, "world": world,
             "level": level, "framework": framework, "releases": _versions(), "device": device,
-            "backend": backend, "adapter": adapter, "dtype": _dtype(table),
+            "backend": backend, **({"backend_requested": asked} if asked else {}), "adapter": adapter,
+            "dtype": _dtype(table),
             "layout": {"tp": parallel.tp, "pp": pp, "vpp": vpp, "cp": parallel.cp, "ep": parallel.ep,
                        "etp": parallel.etp, "dp": parallel.dp, "sp": parallel.sp,
                        "distributed_optimizer": parallel.distributed_optimizer},

@@ -28,29 +28,21 @@ from portspeed.probe.entries import IterationRecord
 from portspeed.probe.modules import ModuleHooks, ModuleTable
 from portspeed.probe.ops import OpRecorder
 from portspeed.probe.params import record_params
+from portspeed.probe.sessions import ProcessSession
 
 __all__ = ["ProbeSession", "current", "reset"]
 
-_session: list["ProbeSession | None"] = [None]
+_ONE: ProcessSession["ProbeSession"] = ProcessSession("probe_dir", lambda settings: ProbeSession(settings))
 
 
 def current() -> "ProbeSession | None":
     """This process's probe session, made on first use; None when probing is not configured."""
-    s = _session[0]
-    if s is None:
-        settings = config.settings()
-        if not settings.probe_dir:
-            return None
-        s = _session[0] = ProbeSession(settings)
-    return s
+    return _ONE.current()
 
 
 def reset() -> None:
     """Forget the session (tests; an open iteration is ended first)."""
-    s = _session[0]
-    if s is not None:
-        s.end()
-    _session[0] = None
+    _ONE.reset()
 
 
 class ProbeSession:

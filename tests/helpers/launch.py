@@ -120,6 +120,14 @@ def stop_warm() -> None:
         WARM = None
 
 
+def python_for_children() -> tuple[str, dict[str, str]]:
+    """The interpreter a test hands to a script that starts Pythons itself (``PYTHON=...``), and the variables that
+    make torchrun's ranks follow it: the warm launcher while the session's warm Python runs, else this one."""
+    if WARM is not None and USE_WARM:
+        return WARM.python, dict(WARM.env)
+    return sys.executable, {}
+
+
 def run_python(args: Sequence[str], timeout: float, env: Mapping[str, str] | None = None,
                cwd: Path = REPO, *, drop: Iterable[str] = ()) -> Result:
     """Run ``python args...`` in its own process group; kill the group at ``timeout``.

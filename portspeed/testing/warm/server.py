@@ -59,7 +59,7 @@ _STARTUP_PREFIXES = ("PYTHON", "PYTORCH_JIT", "TORCH_LOGS", "TORCHDYNAMO_", "TOR
                      "TORCH_CPP_LOG", "TORCH_SHOW_CPP", "OMP_", "MKL_", "KMP_", "GOMP_", "LD_", "TRITON_",
                      "MALLOC_", "NUMPY_")
 _PER_CHILD = {"PYTHONPATH", "PYTHONWARNINGS", "PYTHONFAULTHANDLER", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
-              "PYTHON_EXEC"}
+              "PYTHON_EXEC", "PYTHON"}  # PYTHON: no interpreter reads it (scripts name theirs with it)
 _FLAGS = {"-u", "-B"}
 
 
@@ -100,16 +100,36 @@ def _why_cold(req):
     if _parse(req["argv"]) is None:
         return f"interpreter options not served warm: {req['argv'][:3]}"
     env = req["env"]
-    for folder in env.get("PYTHONPATH", "").split(os.pathsep):
-        if folder and folder not in _OWN_PYTHONPATH and any(
-                os.path.isfile(os.path.join(folder, f"{name}.py")) for name in ("sitecustomize", "usercustomize")):
-            return f"PYTHONPATH's {folder} holds a sitecustomize, which a fresh interpreter runs at start"
+    for name, folder in _customize(env):
+        if name in sys.modules:
+            return f"PYTHONPATH's {folder} holds a {name}, which a fresh interpreter runs instead of the server's"
     for name in set(env) | set(_START_ENV):
         if name in _PER_CHILD or not name.startswith(_STARTUP_PREFIXES):
             continue
         if env.get(name) != _START_ENV.get(name) and (name not in _ADDED or env.get(name) not in (None, _ADDED[name])):
             return f"{name} differs from the warm server's"
     return ""
+
+
+def _customize(env):
+    """[(name, folder)]: the ``sitecustomize`` / ``usercustomize`` a fresh interpreter would import at start from
+    the request's own PYTHONPATH folders (the first folder holding each)."""
+    found = []
+    for name in ("sitecustomize", "usercustomize"):
+        for folder in env.get("PYTHONPATH", "").split(os.pathsep):
+            if folder and folder not in _OWN_PYTHONPATH and os.path.isfile(os.path.join(folder, f"{name}.py")):
+                found.append((name, folder))
+                break
+    return found
+
+
+def _run_customize(env):
+    """Import them as ``site`` does at start (the server imported none: ``_why_cold``), errors printed, not raised."""
+    for name, _ in _customize(env):
+        try:
+            __import__(name)
+        except Exception as exc:  # noqa: BLE001 - site reports these and carries on
+            print(f"Error in {name}; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}", file=sys.stderr)
 
 
 def _stdio(unbuffered):
@@ -170,11 +190,13 @@ def _become(req, fds, listener, sel):
         first = os.getcwd()
     else:
         first = os.path.dirname(os.path.realpath(target))
-    sys.path[:] = [first, *extra, *base]
+    sys.path[:] = [*extra, *base]
     warnings.filters[:] = _DEFAULT_FILTERS
     warnings._filters_mutated()
     sys.warnoptions[:] = [w for w in env.get("PYTHONWARNINGS", "").split(",") if w]
     warnings._processoptions(sys.warnoptions)
+    _run_customize(env)  # as site does, before the script's folder joins sys.path (after the preloaded torch, here)
+    sys.path.insert(0, first)
     import faulthandler
 
     faulthandler.disable()
