@@ -40,18 +40,14 @@ from typing import Any
 
 import pytest
 
-from helpers.ds_runs import (ADAM_OFFLOAD_RUNS, ALL_RUNS, DS_OPS_DIR, EXAMPLE, FP16_RUNS, OFFLOAD_RUNS, OVERFLOW_AT,
-                             OVERFLOW_RUNS, SAVE_AT, STEPS, TESTDEV, TESTDEV_FP16_RUNS, TESTDEV_RUNS, TIMEOUT, TOL,
-                             clean_env, rel, tail, train)
+from helpers.ds_runs import (ADAM_OFFLOAD_RUNS, ADAPTERS, ALL_RUNS, DS_OPS_DIR, EXAMPLE, FP16_RUNS, OFFLOAD_RUNS,
+                             OVERFLOW_AT, OVERFLOW_RUNS, SAVE_AT, STEPS, TESTDEV, TESTDEV_FP16_RUNS, TESTDEV_RUNS,
+                             TIMEOUT, TOL, assert_within, clean_env, rel, tail, train)
 from helpers.requires import require
 
 deepspeed = require("deepspeed", "pip install 'portspeed[deepspeed]'")
 
 pytestmark = [pytest.mark.deepspeed]
-
-#: the adapters a case runs on: the CPU adapter, and portspeed's test device (a test device, not hardware)
-ADAPTERS = ["cpu", pytest.param("testdev", marks=pytest.mark.testdev)]
-
 
 def _on(adapter: str, runs: dict[str, Any], request: pytest.FixtureRequest) -> dict[str, Any]:
     """The 2-rank record of ``adapter``: the CPU run, or the test device's (fixture ``testdev_run``, only then)."""
@@ -148,7 +144,7 @@ def test_offload_with_cpu_adam_equals_stock_and_single_process(runs: dict[str, A
     if "offload_param" in key:
         assert run["partition_device"] == "cpu" and run["partitioned_params"] == 6, run
     assert run["losses"] == runs["stock"]["runs"][key]["losses"]
-    worst = _assert_within(run["losses"], runs["single"]["runs"][key]["losses"], key, "2 ranks vs 1 process")
+    worst = assert_within(run["losses"], runs["single"]["runs"][key]["losses"], key, "2 ranks vs 1 process")
     print(f"{key}: vs 1 process {worst:.3g}")
 
 
@@ -166,17 +162,17 @@ def test_fp16_zero2_matches_zero0_and_single_process(runs: dict[str, Any], adapt
     """
     rec = _on(adapter, runs, request)
     zero0, zero2 = rec["runs"]["0:fp16"], rec["runs"]["2:fp16"]
-    _assert_within(zero2["losses"], zero0["losses"], "2:fp16", "ZeRO-2 vs ZeRO-0")
+    assert_within(zero2["losses"], zero0["losses"], "2:fp16", "ZeRO-2 vs ZeRO-0")
     for key in ("0:fp16", "2:fp16"):
-        _assert_within(rec["runs"][key]["losses"], runs["single"]["runs"][key]["losses"], key,
-                       "2 ranks vs 1 process")
+        assert_within(rec["runs"][key]["losses"], runs["single"]["runs"][key]["losses"], key,
+                      "2 ranks vs 1 process")
         assert rec["runs"][key]["fp16"]["skipped"] == [0] * STEPS  # no overflow at scale 2**16 here
         if adapter != "cpu":
-            worst = _assert_within(rec["runs"][key]["losses"], runs["ported"]["runs"][key]["losses"], key,
-                                   "test device vs the CPU run")
+            worst = assert_within(rec["runs"][key]["losses"], runs["ported"]["runs"][key]["losses"], key,
+                                  "test device vs the CPU run")
             print(f"{key}: test device vs CPU, worst relative difference {worst:.3g}")
     # and it trains: within 1e-3 of the fp32 run (an update 2**16 times too small stays at the start)
-    _assert_within(zero2["losses"], rec["runs"]["2:fp32"]["losses"], "2:fp16", "fp16 vs fp32")
+    assert_within(zero2["losses"], rec["runs"]["2:fp32"]["losses"], "2:fp16", "fp16 vs fp32")
 
 
 @pytest.mark.multiproc
@@ -200,11 +196,11 @@ def test_fp16_overflow_step_is_skipped(runs: dict[str, Any], stage: int, adapter
     assert got["losses"][:OVERFLOW_AT + 1] == clean["losses"][:OVERFLOW_AT + 1]
     assert got["losses"][OVERFLOW_AT + 1] != clean["losses"][OVERFLOW_AT + 1]
     other = rec["runs"][f"{2 - stage}:fp16:overflow"]["losses"]
-    _assert_within(got["losses"], other, f"{stage}:fp16", "overflow run, ZeRO-0 vs ZeRO-2")
+    assert_within(got["losses"], other, f"{stage}:fp16", "overflow run, ZeRO-0 vs ZeRO-2")
     if adapter != "cpu":
         cpu = runs["ported"]["runs"][f"{stage}:fp16:overflow"]
         assert (fp16["skipped"], fp16["scale"]) == (cpu["fp16"]["skipped"], cpu["fp16"]["scale"])
-        worst = _assert_within(got["losses"], cpu["losses"], f"{stage}:fp16", "overflow run, test device vs CPU")
+        worst = assert_within(got["losses"], cpu["losses"], f"{stage}:fp16", "overflow run, test device vs CPU")
         print(f"{stage}:fp16:overflow: test device vs CPU, worst relative difference {worst:.3g}")
 
 
@@ -256,7 +252,7 @@ def test_mpirun_discovery_matches_torchrun(runs: dict[str, Any], tmp_path: Path,
             assert got["losses"] == ref["losses"], key
         else:
             assert got["param_devices"] == ["testdev:0", "testdev:1"], key
-            worst = _assert_within(got["losses"], ref["losses"], key, "mpirun on the test device vs CPU torchrun")
+            worst = assert_within(got["losses"], ref["losses"], key, "mpirun on the test device vs CPU torchrun")
             print(f"{key}: mpirun on the test device vs CPU torchrun, worst relative difference {worst:.3g}")
 
 
@@ -296,14 +292,6 @@ def test_megatron_deepspeed_style_run_matches(runs: dict[str, Any], tmp_path: Pa
 # host, a host-side assumption in an accelerator answer or a missing copy-back after a
 # collective shows as an error or a different loss. The extension is built by `make test`;
 # if it cannot be built, the runs fail (never skip).
-
-
-def _assert_within(got: list[float], ref: list[float], key: str, what: str, steps: int = STEPS) -> float:
-    tol = TOL[key.split(":")[1]]
-    assert len(got) == len(ref) == steps, f"{key} {what}: {got} vs {ref}"
-    worst = max(rel(a, b) for a, b in zip(got, ref))
-    assert worst <= tol, f"{key} {what}: worst relative difference {worst:.3g} > {tol} ({got} vs {ref})"
-    return worst
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +354,7 @@ def test_testdev_zero_losses_match_stock_deepspeed_on_cpu(testdev_run: dict[str,
                                                           key: str) -> None:
     """ZeRO stage/dtype (offload too) on the test device: per-step losses within the dtype's band of stock CPU."""
     got, ref = testdev_run["runs"][key]["losses"], runs["stock"]["runs"][key]["losses"]
-    worst = _assert_within(got, ref, key, "test device vs stock DeepSpeed on CPU")
+    worst = assert_within(got, ref, key, "test device vs stock DeepSpeed on CPU")
     print(f"{key}: test device vs stock CPU, worst relative difference {worst:.3g}")
 
 

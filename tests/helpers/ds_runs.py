@@ -16,9 +16,9 @@ import pytest
 
 from portspeed.testing import run_ranks
 
-__all__ = ["ADAM_OFFLOAD_RUNS", "ALL_RUNS", "CLEAN", "DS_OPS_DIR", "EXAMPLE", "FP16_RUNS", "OFFLOAD_RUNS",
+__all__ = ["ADAPTERS", "ADAM_OFFLOAD_RUNS", "ALL_RUNS", "CLEAN", "DS_OPS_DIR", "EXAMPLE", "FP16_RUNS", "OFFLOAD_RUNS",
            "OVERFLOW_AT", "OVERFLOW_RUNS", "SAVE_AT", "STEPS", "TESTDEV", "TESTDEV_FP16_RUNS", "TESTDEV_RUNS",
-           "TIMEOUT", "TOL", "clean_env", "rel", "tail", "train"]
+           "TIMEOUT", "TOL", "assert_within", "clean_env", "rel", "tail", "train"]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "deepspeed_train.py")
@@ -82,3 +82,15 @@ def rel(a: float, b: float) -> float:
 
 #: a child's selection of portspeed's test device (a test device, not hardware)
 TESTDEV = {"PORTSPEED_ACCELERATOR": "testdev"}
+
+#: the adapters a case runs on: the CPU adapter, and portspeed's test device (a test device, not hardware)
+ADAPTERS = ["cpu", pytest.param("testdev", marks=pytest.mark.testdev)]
+
+
+def assert_within(got: list[float], ref: list[float], key: str, what: str, steps: int = STEPS) -> float:
+    """Per-step losses within the dtype's band of ``key`` (``TOL``); returns the worst relative difference."""
+    tol = TOL[key.split(":")[1]]
+    assert len(got) == len(ref) == steps, f"{key} {what}: {got} vs {ref}"
+    worst = max(rel(a, b) for a, b in zip(got, ref))
+    assert worst <= tol, f"{key} {what}: worst relative difference {worst:.3g} > {tol} ({got} vs {ref})"
+    return worst
