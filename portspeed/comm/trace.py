@@ -152,11 +152,6 @@ class Recorder:
             self.groups[id(pg)] = g
         return g
 
-    def forget_groups(self) -> None:
-        """A destroyed group's sequence numbers must not carry over to a new group at the same address."""
-        self.groups.clear()
-        self._world = None
-
     def _row(self, group: Any) -> list:
         """The group's row (see ``groups``), looked up without an import: the hot path's."""
         if group is None:
