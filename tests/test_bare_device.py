@@ -4,7 +4,8 @@ layout = CPU TP1.
 The bare variant (``PORTSPEED_TESTDEV_BARE``, portspeed/testing/testdev/bare.py) turns off, at load, what the
 test device quietly does and a new vendor's device often does not (OpenReg's faults on torch 2.13): memory info,
 the PrivateUse1 shallow-copy kernel, a right fused SDPA, a device generator its random ops use, a CCL that moves
-data. examples/day_one_adapter.py is the file a vendor writes first (names only). Conformance on it names every
+data, a right gelu (its fallback's result scaled: a torch op the portable TE has no other rung for, computed on the
+host once declared, portspeed.accelerator.host_rung). examples/day_one_adapter.py is the file a vendor writes first (names only). Conformance on it names every
 fault and ends with the lines to paste (for the CCL that moves nothing: every collective staged through the host,
 portspeed.comm.staged); pasted, conformance exits 0 and the example GPT on 2 ranks of the bare device (TP2 on the TE
 and the local spec, PP2, DP2) equals the CPU TP1 run; without them the TP2 job ends when its default group is made, naming the CCL's wrong collective
@@ -64,7 +65,7 @@ def pasted(first: tuple[int, str], tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.testdev
 def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple[int, str]) -> None:
-    """Memory info, the host generator and the wrong SDPA each fail naming what the device did; the Parameter
+    """Memory info, the host generator, the wrong SDPA and the wrong gelu each fail naming what the device did; the Parameter
     check passes saying portspeed registered the kernel; the stub CCL's collectives fail value for value; the run
     ends with one heading and the four lines (the last: every collective staged through the host)."""
     rc, out = first
@@ -80,16 +81,19 @@ def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple
         "[FAIL] device: get/set_rng_state replays the device's draws",
         "[FAIL] device: the device answers its total memory (get_device_properties().total_memory, mem_get_info)",
         "[FAIL] kernels: torch scaled_dot_product_attention on the device matches the CPU",
+        "[FAIL] kernels: torch gelu on the device matches the CPU",
     }, out[-4000:]
     assert "NotImplementedError: getMemoryInfo is not implemented" in out
     assert "random ops on the device draw from the host generator" in out
     assert 'torch scaled_dot_product_attention case "no mask", float32: output not finite' in out
+    assert 'torch gelu case "exact", float32: output error 2.50e-01 > 1e-04, the band -- portspeed computes gelu on ' \
+           'the host' in out  # 1.25x the right value: its error over the largest magnitude is exactly 0.25
     assert "portspeed registered one at activation" in out  # the Parameter check ran and passed through the fix
     assert "42 of the 42 torch.cuda calls the view serves" in out  # total memory degraded instead of raising
     lines = _pasted_lines(out)
     names = [ln.split("=")[0].strip() for ln in lines]
     assert names == ["host_generator", "total_memory_bytes", "wrong_torch_ops", "backend"], lines
-    assert lines[0] == "    host_generator = True" and lines[2] == "    wrong_torch_ops = ('attention',)", lines
+    assert lines[0] == "    host_generator = True" and lines[2] == "    wrong_torch_ops = ('attention', 'gelu')", lines
     assert lines[3] == '    backend = "staged"', lines
     assert int(lines[1].split("=")[1]) > 0
 
@@ -101,6 +105,8 @@ def test_with_the_lines_pasted_conformance_exits_0(pasted: tuple[Path, int, str]
     assert rc == 0 and "0 failed" in out and "paste" not in out.splitlines()[-1], out[-4000:]
     assert "random ops on the device draw from the host generator, as declared (host_generator)" in out
     assert "the portable TE's attention runs portspeed's reference, which matches" in out
+    assert "[  ok] kernels: torch gelu is wrong on the device, as declared (wrong_torch_ops): portspeed computes it " \
+           "on the host, which matches" in out  # and the device's own gelu, asked with the host rung suspended
     assert "total memory: the device cannot say, the adapter declares total_memory_bytes" in out
     assert "[  ok] collectives: broadcast float32" in out and "[  ok] collectives: real_backend reports the real " \
         "name" in out  # every collective staged through the host, right on the stub CCL's device
@@ -201,6 +207,14 @@ _PROBE = '''
     q = torch.randn(1, 2, 8, 16)
     got["sdpa"] = torch.allclose(torch.nn.functional.scaled_dot_product_attention(q.to(dev), q.to(dev), q.to(dev))
                                  .cpu(), torch.nn.functional.scaled_dot_product_attention(q, q, q), atol=1e-5)
+    x = torch.randn(64)
+    got["gelu"] = [round((torch.nn.functional.gelu(x.to(dev)).cpu().abs().max() /
+                         torch.nn.functional.gelu(x).abs().max()).item(), 4)]
+    xd = x.to(dev).requires_grad_()
+    torch.nn.functional.gelu(xd).sum().backward()
+    xh = x.clone().requires_grad_()
+    torch.nn.functional.gelu(xh).sum().backward()
+    got["gelu"].append(round((xd.grad.cpu().abs().max() / xh.grad.abs().max()).item(), 4))
     host = torch.get_rng_state()
     torch.nn.functional.dropout(torch.ones(64, device=dev), 0.5)
     got["host_rng"] = not torch.equal(host, torch.get_rng_state())
@@ -225,12 +239,13 @@ _PROBE = '''
 @pytest.mark.parametrize("bare", ["", "all"])
 def test_each_switch_plants_its_fault_and_the_default_is_unchanged(bare: str) -> None:
     """PORTSPEED_TESTDEV_BARE=all: no shallow-copy kernel, memory info raises, SDPA wrong, random ops on the host
-    generator, the CCL moves nothing; unset: none of these. On both, module.to keeps the Parameter after selection
+    generator, the CCL moves nothing, gelu and its gradient 1.25x; unset: none of these. On both, module.to keeps the Parameter after selection
     (on the bare device because portspeed registered the kernel)."""
     got = child_json(_PROBE, timeout=TIMEOUT, env={"PORTSPEED_TESTDEV_BARE": bare, "PORTSPEED_ACCELERATOR": "testdev"})
     on = bool(bare)
-    assert got["faults"] == (["no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl"] if on
-                             else []), got
+    assert got["faults"] == (["no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl",
+                              "wrong-gelu"] if on else []), got
+    assert got["gelu"] == ([1.25, 1.25] if on else [1.0, 1.0]), got
     assert got["shallow"] is not on and got["memory"] == ("NotImplementedError" if on else "answered"), got
     assert got["sdpa"] is not on and got["host_rng"] is on, got
     assert got["all_gather"] == ([0.0] * 4 if on else [1.0, 2.0, 3.0, 4.0]), got
@@ -242,7 +257,7 @@ def test_a_bare_value_that_names_no_fault_is_refused_in_one_line() -> None:
     from portspeed.testing.testdev.bare import BareValueError, faults
 
     assert faults("wrong-sdpa, host-rng") == ("wrong-sdpa", "host-rng")
-    assert faults("all") == ("no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl")
+    assert faults("all") == ("no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl", "wrong-gelu")
     with pytest.raises(BareValueError, match="'wrong-sdp' is not a fault of the bare test device; give a comma "
                                              "list of no-memory-info, no-shallow-copy"):
         faults("wrong-sdp")
