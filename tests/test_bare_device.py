@@ -174,6 +174,35 @@ def test_each_layout_on_the_bare_device_with_the_lines_pasted_equals_cpu_tp1(
     print(f"{what}: max |diff| {worst:.3g}")
 
 
+#: Megatron's attention dropout runs inside its RNG tracker's fork (the tensor-parallel region's own state), the
+#: hidden dropout on the default state: both, on the local spec (its core attention forks; TP2: a state per rank)
+DROPOUT = ["--tp", "2", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+
+
+@pytest.mark.testdev
+@pytest.mark.megatron
+def test_dropout_on_the_host_generator_forks_as_on_cpu(pasted: tuple[Path, int, str], cpu_tp1: dict) -> None:
+    """host-rng with host_generator = True pasted: Megatron's RNG tracker (tensor_parallel.random, through portspeed)
+    seeds, saves, restores and forks the generator the device's dropout really draws from, the host's; so TP2 with
+    dropout 0.1 on the bare device equals the same run on CPU (where the device generator is the host's too) within
+    1e-5. Had the tracker forked a generator nothing draws from, the attention dropout would draw on from the
+    default state and part from CPU. The dropout is on: iteration 1 differs from the run without it by > 1e-3."""
+    from test_example_layouts import TE
+    from test_megatron_core_parity import FP32_TOL, _assert_close
+
+    args = [*TE, "--iters", str(ITERS), *DROPOUT]
+    args[args.index("transformer_engine")] = "local"
+    cpu = parse_losses(torchrun("examples/pretrain_gpt.py", 2, args, timeout=TIMEOUT,
+                                env={"PORTSPEED_ACCELERATOR": "cpu"}).check().stdout)
+    bare = parse_losses(torchrun("examples/pretrain_gpt.py", 2, args, timeout=TIMEOUT,
+                                 env={"PORTSPEED_ACCELERATOR": f"{pasted[0]}:DayOneAccelerator",
+                                      "PORTSPEED_TESTDEV_BARE": BARE}).check().stdout)
+    assert sorted(cpu) == sorted(bare) == list(range(1, ITERS + 1)), (cpu, bare)
+    assert abs(cpu[1][0] - cpu_tp1[1][0]) > 1e-3, (cpu, cpu_tp1)
+    worst = _assert_close(bare, cpu, FP32_TOL, "TP2 with dropout on the bare device (host-rng) vs CPU")
+    print(f"TP2 with dropout, bare device vs CPU: max |diff| {worst:.3g}")
+
+
 @pytest.mark.testdev
 @pytest.mark.megatron
 def test_without_the_lines_the_tp2_job_ends_at_start_naming_the_stub_ccls_wrong_collective() -> None:
