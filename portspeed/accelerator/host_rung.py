@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["HOST_OPS", "ensure", "registered", "suspended"]
+__all__ = ["HOST_OPS", "calls", "ensure", "registered", "suspended"]
 
 log = logging.getLogger("portspeed")
 
@@ -43,6 +43,7 @@ _KEYS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU", "mtia": "MTIA
 
 _library: Any = None
 _state: dict[str, Any] = {}
+_calls: dict[str, int] = {}
 
 
 def _dispatch_key(device_type: str) -> str | None:
@@ -53,7 +54,10 @@ def _dispatch_key(device_type: str) -> str | None:
 
 def _on_host(op: Any) -> Callable[..., Any]:
     """A kernel of ``op`` that runs torch's CPU kernel on host copies and hands the results back to the device."""
+    name = str(op.name()).removeprefix("aten::")
+
     def kernel(*args: Any, **kwargs: Any) -> Any:
+        _calls[name] = _calls.get(name, 0) + 1
         device = next(t.device for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor) and t.device.type != "cpu")
         host_args, host_kwargs = tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, (args, kwargs))
@@ -100,6 +104,11 @@ def ensure(acc: Any) -> dict[str, Any]:
 def registered() -> tuple[str, ...]:
     """The ``wrong_torch_ops`` names the host rung serves now (empty while suspended or before ``ensure``)."""
     return tuple(_state.get("ops", ())) if _library is not None else ()
+
+
+def calls() -> dict[str, int]:
+    """How many times each aten operator ran on the host rung in this process (the perf line of host fallbacks)."""
+    return dict(_calls)
 
 
 @contextlib.contextmanager
