@@ -4,12 +4,13 @@ layout = CPU TP1.
 The bare variant (``PORTSPEED_TESTDEV_BARE``, portspeed/testing/testdev/bare.py) turns off, at load, what the
 test device quietly does and a new vendor's device often does not (OpenReg's faults on torch 2.13): memory info,
 the PrivateUse1 shallow-copy kernel, a right fused SDPA, a device generator its random ops use, a CCL that moves
-data, a right gelu (its fallback's result scaled: a torch op the portable TE has no other rung for, computed on the
-host once declared, portspeed.accelerator.host_rung). examples/day_one_adapter.py is the file a vendor writes first (names only). Conformance on it names every
-fault and ends with the lines to paste (for the CCL that moves nothing: every collective staged through the host,
-portspeed.comm.staged); pasted, conformance exits 0 and the example GPT on 2 ranks of the bare device (TP2 on the TE
-and the local spec, PP2, DP2) equals the CPU TP1 run; without them the TP2 job ends when its default group is made, naming the CCL's wrong collective
-(portspeed.comm.ccl_check). The Parameter identity fault is fixed by portspeed itself, detected at selection.
+data, a right gelu (a torch op the portable TE has no other rung for: computed on the host once declared,
+portspeed.accelerator.host_rung). examples/day_one_adapter.py is the file a vendor writes first (names only).
+Conformance on it names every fault and ends with the lines to paste (for the CCL that moves nothing: every
+collective staged through the host, portspeed.comm.staged); pasted, conformance exits 0 and the example GPT on 2
+ranks of the bare device (TP2 on the TE and the local spec, PP2, DP2; TP2 with dropout) equals the CPU run; without
+them the TP2 job ends when its default group is made, naming the CCL's wrong collective (portspeed.comm.ccl_check).
+The Parameter identity fault is fixed by portspeed itself, detected at selection.
 
 The runs are shared through module fixtures (two conformance runs, one CPU TP1 run, one CPU run writing the
 initial weights PP2 starts from); four 2-rank training runs, and one TP2 run that ends at start.
@@ -65,9 +66,9 @@ def pasted(first: tuple[int, str], tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.testdev
 def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple[int, str]) -> None:
-    """Memory info, the host generator, the wrong SDPA and the wrong gelu each fail naming what the device did; the Parameter
-    check passes saying portspeed registered the kernel; the stub CCL's collectives fail value for value; the run
-    ends with one heading and the four lines (the last: every collective staged through the host)."""
+    """Memory info, the host generator, the wrong SDPA and the wrong gelu each fail naming what the device did; the
+    Parameter check passes saying portspeed registered the kernel; the stub CCL's collectives fail value for value;
+    the run ends with one heading and the four lines (the last: every collective staged through the host)."""
     rc, out = first
     assert rc == 1, out[-4000:]
     failed = {ln.split(" -- ")[0].strip() for ln in out.splitlines() if ln.startswith("  [FAIL]")}
@@ -268,8 +269,8 @@ _PROBE = '''
 @pytest.mark.parametrize("bare", ["", "all"])
 def test_each_switch_plants_its_fault_and_the_default_is_unchanged(bare: str) -> None:
     """PORTSPEED_TESTDEV_BARE=all: no shallow-copy kernel, memory info raises, SDPA wrong, random ops on the host
-    generator, the CCL moves nothing, gelu and its gradient 1.25x; unset: none of these. On both, module.to keeps the Parameter after selection
-    (on the bare device because portspeed registered the kernel)."""
+    generator, the CCL moves nothing, gelu and its gradient 1.25x; unset: none of these. On both, module.to keeps the
+    Parameter after selection (on the bare device because portspeed registered the kernel)."""
     got = child_json(_PROBE, timeout=TIMEOUT, env={"PORTSPEED_TESTDEV_BARE": bare, "PORTSPEED_ACCELERATOR": "testdev"})
     on = bool(bare)
     assert got["faults"] == (["no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl",
