@@ -43,7 +43,7 @@ def _create(store, rank, size, timeout):
 class Liar(StandinAccelerator):
     name = "liar"
     backend = "liar"
-    backend_gaps = StandinAccelerator.backend_gaps  # the stand-in's own (its bfloat16 reduce_scatter raises)
+    backend_gaps = None
 
     @classmethod
     def load_vendor(cls):
@@ -76,8 +76,7 @@ class Bf16Liar(Liar):
 
 class Bf16Declared(Bf16Liar):
     name = "bf16-declared"
-    backend_gaps = BackendGaps(unsupported_dtypes=[("all_reduce", torch.bfloat16),
-                                                   ("reduce_scatter_tensor", torch.bfloat16)])
+    backend_gaps = BackendGaps(unsupported_dtypes=[("all_reduce", torch.bfloat16)])
 '''
 
 
@@ -140,7 +139,8 @@ def test_a_wrong_ccl_stops_the_job_when_its_default_group_is_made(adapters: Path
     """A CCL whose broadcast moves nothing: init_process_group raises CclCheckError on every rank, one line naming
     broadcast, what rank 1 got and wanted, and the line to paste; ccl_verified = True skips the check; the stand-in
     (right) passes it, in milliseconds. A CCL right in float32 whose bfloat16 all_reduce moves nothing is named
-    too, unless its backend_gaps declares bfloat16 all_reduce missing (the router then casts it)."""
+    too, unless its backend_gaps declares bfloat16 all_reduce missing (the router then casts it); the stand-in's
+    bfloat16 reduce_scatter, which raises (a gap the Liar does not declare), is left to say so when used."""
     from portspeed.testing import run_ranks
 
     res = run_ranks(["-c", textwrap.dedent(_START.format(path=str(adapters)))], 2, timeout=TIMEOUT)
