@@ -30,12 +30,13 @@ PYTHON312   ?= $(shell { p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/pyt
 #: `cuda_build` (PyPI's CUDA torch: leg 2), `cpu_wheel` (the CPU wheel: leg 1); `testdev` and
 #: `stock` (needs MEGATRON_LM_ROOT) are leg 1's.
 LEG2_TESTS  := tests/test_activation.py tests/test_megatron_adaptor.py tests/test_translation.py \
-               tests/test_router.py tests/test_collective_conformance.py tests/test_selection.py \
-               tests/test_megatron_core_parity.py tests/test_deepspeed.py tests/test_versions.py \
+               tests/test_translation_views.py tests/test_router.py tests/test_router_rewrites.py \
+               tests/test_collective_conformance.py tests/test_selection.py tests/test_megatron_core_parity.py \
+               tests/test_deepspeed.py tests/test_deepspeed_adaptor.py tests/test_versions.py \
                tests/test_cuda_build.py tests/test_drift.py tests/test_megatron_moe.py tests/test_megatron_refusals.py \
                tests/test_view_classes.py tests/test_narrowing.py tests/test_te_kernels.py tests/test_te_attention.py \
-               tests/test_te_ring.py tests/test_rl_loop.py tests/test_hf_trainer.py tests/test_rl_fsdp.py \
-               tests/test_megatron_bridge.py tests/test_exit.py tests/test_warm_python.py
+               tests/test_te_ring.py tests/test_te_ring_megatron.py tests/test_rl_loop.py tests/test_hf_trainer.py \
+               tests/test_rl_fsdp.py tests/test_megatron_bridge.py tests/test_exit.py tests/test_warm_python.py
 LEG1_MARKS  := not cuda_build and not ds_more and not faults and not megatron_bridge
 LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 #: ... and, on leg 2's torch 2.15, how portspeed's flight recorder and NaN check live with torch's own hooks

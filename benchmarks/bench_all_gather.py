@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Any
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -46,9 +47,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     import portspeed
     from portspeed.adapters.cpu import CpuAccelerator
-    from portspeed import comm
     from portspeed.comm import router
-    from portspeed.accelerator.capabilities import capabilities_for
     from portspeed.patches.torch_distributed import PATCHES
 
     warnings.simplefilter("ignore", FutureWarning)  # torch 2.13's all_gather_into_tensor is deprecated
@@ -82,40 +81,13 @@ def _worker(args: argparse.Namespace) -> None:
         for fn in arms.values():
             fn()
     names = list(arms)
-    times: dict[str, list[float]] = {k: [] for k in names}
-    clock = time.perf_counter
-    for i in range(args.calls):
-        k0 = i % len(names)
-        for name in names[k0:] + names[:k0]:
-            fn = arms[name]
-            s0 = clock()
-            fn()
-            times[name].append(clock() - s0)
+    times = _interleaved(arms, args.calls)
     seg, segments = args.calls // 5, 5
 
     def ratio(name: str, part: slice = slice(None)) -> float:
         return statistics.median(times[name][part]) / statistics.median(times["raw"][part])
 
-    # the router's decision alone, warm: a no-op stands in for the collective (chunk-shaped call)
-    noop = lambda *a, **k: None  # noqa: E731
-    screen = router.COLLECTIVE_ROUTES[new_name](noop)
-
-    shapes = {"1-d": (torch.empty(n * 1024), torch.ones(1024)), "2-d": (chunk, x),
-              "3-d": (torch.empty(n * 8, 2, 64), torch.ones(8, 2, 64))}  # chunk-shaped: straight
-
-    def per_call_us(fn, out, inp) -> float:  # best of 5 rounds of 20,000 calls
-        best = float("inf")
-        for _ in range(5):
-            start = clock()
-            for _ in range(20000):
-                fn(out, inp)
-            best = min(best, clock() - start)
-        return round(best / 20000 * 1e6, 3)
-
-    decision = {"no_router_noop_us": per_call_us(noop, chunk, x)}
-    decision.update({f"gloo_record_{k}_us": per_call_us(screen, *v) for k, v in shapes.items()})
-    comm.use_capabilities(capabilities_for("nccl"))  # a record without the shape gap, as NCCL's
-    decision["nccl_record_2-d_us"] = per_call_us(screen, chunk, x)
+    decision = _decision(new_name, n, chunk, x)
     dist.barrier()
     if rank == 0:
         print(json.dumps({
@@ -136,6 +108,50 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
     manager.revert()
 
+
+
+def _interleaved(arms: dict[str, Any], calls: int) -> dict[str, list[float]]:
+    """Each arm's call times, interleaved call by call, rotating which arm goes first."""
+    names = list(arms)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    clock = time.perf_counter
+    for i in range(calls):
+        k0 = i % len(names)
+        for name in names[k0:] + names[:k0]:
+            fn = arms[name]
+            s0 = clock()
+            fn()
+            times[name].append(clock() - s0)
+    return times
+
+
+def _decision(new_name: str, n: int, chunk: Any, x: Any) -> dict[str, float]:
+    """The router's decision alone, warm: a no-op stands in for the collective (chunk-shaped call)."""
+    import torch
+
+    from portspeed import comm
+    from portspeed.accelerator.capabilities import capabilities_for
+    from portspeed.comm import router
+
+    noop = lambda *a, **k: None  # noqa: E731
+    screen = router.COLLECTIVE_ROUTES[new_name](noop)
+    shapes = {"1-d": (torch.empty(n * 1024), torch.ones(1024)), "2-d": (chunk, x),
+              "3-d": (torch.empty(n * 8, 2, 64), torch.ones(8, 2, 64))}  # chunk-shaped: straight
+
+    def per_call_us(fn, out, inp) -> float:  # best of 5 rounds of 20,000 calls
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(20000):
+                fn(out, inp)
+            best = min(best, time.perf_counter() - start)
+        return round(best / 20000 * 1e6, 3)
+
+    decision = {"no_router_noop_us": per_call_us(noop, chunk, x)}
+    decision.update({f"gloo_record_{k}_us": per_call_us(screen, *v) for k, v in shapes.items()})
+    comm.use_capabilities(capabilities_for("nccl"))  # a record without the shape gap, as NCCL's
+    decision["nccl_record_2-d_us"] = per_call_us(screen, chunk, x)
+    return decision
 
 def _decision_only() -> None:
     """The screens alone in this process (a 1-rank Gloo group; a no-op stands in for the collective)."""

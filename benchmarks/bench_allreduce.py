@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -50,7 +51,7 @@ def _worker(args: argparse.Namespace) -> None:
     if args.trace:  # the same routed function with portspeed.comm.trace's recording frame in front (A/B arm)
         os.environ["PORTSPEED_TRACE"] = str(args.trace)
         from portspeed import config
-        from portspeed.comm import trace, trace_wrappers
+        from portspeed.comm import trace_wrappers
 
         config.reload()
         recorded = trace_wrappers.traced("all_reduce", router.COLLECTIVE_ROUTES["all_reduce"])(raw)
@@ -64,10 +65,39 @@ def _worker(args: argparse.Namespace) -> None:
     for _ in range(args.warmup):
         raw(t)
         routed(t)
-    arms: dict[str, object] = {"raw": raw, "raw_again": raw, "routed": routed}
+    arms = _arms(raw, routed, recorded, args.diagnose)
+    times = _interleaved(arms, t, args.calls)
+    blocks, block = _blocked(arms, t, args.calls)
+    overheads = _overheads(t, recorded is not None)
+    dist.barrier()
+    if rank == 0:
+        segments = 5
+        seg = args.calls // segments
+
+        def ratio(name: str, part: slice = slice(None)) -> float:
+            return statistics.median(times[name][part]) / statistics.median(times["raw"][part])
+
+        print(json.dumps({
+            "world": n, "bytes": args.bytes, "calls_per_arm": args.calls,
+            "median_us": {k: round(statistics.median(v) * 1e6, 2) for k, v in times.items()},
+            "ratio": round(ratio("routed"), 4),
+            "control_ratio_raw_vs_raw": round(ratio("raw_again"), 4),
+            "blocked_ratio": round(statistics.median(blocks["routed"]) / statistics.median(blocks["raw"]), 4),
+            "blocked_calls_per_block": block,
+            "segment_ratios": [round(ratio("routed", slice(k * seg, (k + 1) * seg)), 4) for k in range(segments)],
+            "other_ratios": {k: round(ratio(k), 4) for k in arms if k not in ("raw", "raw_again", "routed")},
+            **overheads, "rewrites": router.stats(), "torch": torch.__version__,
+        }))
+    dist.destroy_process_group()
+    manager.revert()
+
+
+def _arms(raw: Any, routed: Any, recorded: Any, diagnose: bool) -> dict[str, Any]:
+    """The functions timed: raw (twice: the control), routed, recorded; with ``diagnose`` the do-nothing layers."""
+    arms: dict[str, Any] = {"raw": raw, "raw_again": raw, "routed": routed}
     if recorded is not None:
         arms["routed_recorded"] = recorded
-    if args.diagnose:  # what any layer in front of the call costs here (see the module docstring)
+    if diagnose:  # what any layer in front of the call costs here (see the module docstring)
         import wrapt
 
         clock_ = time.perf_counter
@@ -82,27 +112,35 @@ def _worker(args: argparse.Namespace) -> None:
         arms["wrapt_passthrough"] = wrapt.FunctionWrapper(raw, lambda w, i, a, k: w(*a, **k))
         arms["spin_3us_then_raw"] = spin3
         arms["torch_without_logging_layer"] = getattr(raw, "__wrapped__", raw)  # what the routed hot path calls
+    return arms
+
+
+def _interleaved(arms: dict[str, Any], t: Any, calls: int) -> dict[str, list[float]]:
+    """Each arm's call times, interleaved call by call, rotating which arm goes first."""
     names = list(arms)
     times: dict[str, list[float]] = {k: [] for k in names}
     clock = time.perf_counter
-    for i in range(args.calls):  # interleave call by call, rotating which arm goes first
+    for i in range(calls):
         k0 = i % len(names)
         for name in names[k0:] + names[:k0]:
             fn = arms[name]
             s0 = clock()
             fn(t)
             times[name].append(clock() - s0)
-    segments = 5
-    seg = args.calls // segments
+    return times
 
-    def ratio(name: str, part: slice = slice(None)) -> float:
-        return statistics.median(times[name][part]) / statistics.median(times["raw"][part])
 
-    # blocked A/B: alternating blocks of calls (raw, routed, raw, ...), both ranks in step.
-    # Per-call interleaving (above) alternates two code paths every call; blocks let each arm
-    # run as a training loop would. Ratio of the medians of the block means.
+def _blocked(arms: dict[str, Any], t: Any, calls: int) -> tuple[dict[str, list[float]], int]:
+    """Blocked A/B: alternating blocks of calls (raw, routed, raw, ...), both ranks in step; the block means.
+
+    Per-call interleaving alternates two code paths every call; blocks let each arm run as a
+    training loop would.
+    """
+    import torch.distributed as dist
+
+    clock = time.perf_counter
     blocks: dict[str, list[float]] = {"raw": [], "routed": []}
-    block = max(10, args.calls // 20)
+    block = max(10, calls // 20)
     for i in range(40):
         name = ("raw", "routed")[i % 2]
         fn = arms[name]
@@ -111,16 +149,23 @@ def _worker(args: argparse.Namespace) -> None:
         for _ in range(block):
             fn(t)
         blocks[name].append((clock() - s0) / block)
-    blocked_ratio = statistics.median(blocks["routed"]) / statistics.median(blocks["raw"])
+    return blocks, block
 
-    # the router's decision alone: a no-op stands in for the collective
+
+def _overheads(t: Any, recording: bool) -> dict[str, Any]:
+    """The router's decision alone (a no-op stands in for the collective) and, when recording, the recorder alone
+    (its frame around a no-op, with and without write-through)."""
+    from portspeed.comm import router
+
     noop = lambda *a, **k: None  # noqa: E731
     start = time.perf_counter()
     for _ in range(20000):
         router.all_reduce(noop, t)
     decision_us = (time.perf_counter() - start) / 20000 * 1e6
     recording_us: dict[str, float] = {}
-    if recorded is not None:  # the recorder alone: its frame around a no-op, with and without write-through
+    if recording:
+        from portspeed.comm import trace, trace_wrappers
+
         rec_noop = trace_wrappers.traced("all_reduce")(noop)
         for label in ("write_through", "memory_only"):
             start = time.perf_counter()
@@ -128,21 +173,7 @@ def _worker(args: argparse.Namespace) -> None:
                 rec_noop(t)
             recording_us[label] = round((time.perf_counter() - start) / 20000 * 1e6, 3)
             trace.recorder()._wt_fd = None
-    dist.barrier()
-    if rank == 0:
-        print(json.dumps({
-            "world": n, "bytes": args.bytes, "calls_per_arm": args.calls,
-            "median_us": {k: round(statistics.median(v) * 1e6, 2) for k, v in times.items()},
-            "ratio": round(ratio("routed"), 4),
-            "control_ratio_raw_vs_raw": round(ratio("raw_again"), 4),
-            "blocked_ratio": round(blocked_ratio, 4), "blocked_calls_per_block": block,
-            "segment_ratios": [round(ratio("routed", slice(k * seg, (k + 1) * seg)), 4) for k in range(segments)],
-            "other_ratios": {k: round(ratio(k), 4) for k in names if k not in ("raw", "raw_again", "routed")},
-            "router_decision_us": round(decision_us, 3), "recording_us": recording_us,
-            "rewrites": router.stats(), "torch": torch.__version__,
-        }))
-    dist.destroy_process_group()
-    manager.revert()
+    return {"router_decision_us": round(decision_us, 3), "recording_us": recording_us}
 
 
 def main(argv: list[str] | None = None) -> int:

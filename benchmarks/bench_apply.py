@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     """Print apply/revert times over the module and patch grid, with per-unit costs to show linearity."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modules", type=int, nargs="+", default=[250, 1000, 2000, 4000],
-                    help="synthetic module counts; patches target the first (smallest) count (default 250 1000 2000 4000)")
+                    help="synthetic module counts; patches target the first (smallest) count "
+                         "(default 250 1000 2000 4000)")
     ap.add_argument("--patches", type=int, nargs="+", default=[50, 100, 200, 400],
                     help="patch counts timed at the --at module count (default 50 100 200 400)")
     ap.add_argument("--at", type=int, default=2000, help="module count for the patch sweep (default 2000)")
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(("patches", n, len(sys.modules), p, a, r))
     print(f"CPU ms, median of {args.repeats}; python {sys.version.split()[0]}; "
           "'loaded' counts every module in sys.modules (torch's included)")
-    print(f"{'sweep':8} {'synthetic':>9} {'loaded':>7} {'patches':>7} {'apply ms':>9} {'revert ms':>9}  slope from previous row")
+    print(f"{'sweep':8} {'synthetic':>9} {'loaded':>7} {'patches':>7} {'apply ms':>9} {'revert ms':>9}  "
+          "slope from previous row")
     prev: tuple | None = None
     for row in sorted(rows, key=lambda r: (r[0] != "modules", r[1], r[3])):
         kind, n, loaded_total, p, a, r = row

@@ -58,8 +58,9 @@ def _worker(args: argparse.Namespace) -> None:
                    .requires_grad_() for _ in range(3))
         grad = torch.randn(local, args.batch, args.heads * args.head_dim, generator=gen, dtype=dtype)
         fmt = {"qkv_format": "thd", "attn_mask_type": "padding_causal"} if args.thd else {"attn_mask_type": "causal"}
-        module = attention.DotProductAttention(args.heads, args.head_dim, cp_group=group, attention_dropout=args.dropout,
-                                               cp_global_ranks=list(range(cp)), cp_comm_type=args.comm, **fmt)
+        module = attention.DotProductAttention(args.heads, args.head_dim, cp_group=group,
+                                               attention_dropout=args.dropout, cp_global_ranks=list(range(cp)),
+                                               cp_comm_type=args.comm, **fmt)
         if args.thd:  # equal sequences packed back to back: [t, h, d], the global cu_seqlens
             q, k, v = (t.detach().flatten(0, 1).requires_grad_() for t in (q, k, v))
             grad = grad.flatten(0, 1)

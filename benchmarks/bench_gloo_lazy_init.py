@@ -112,8 +112,9 @@ def _launch(world: int, tp: int, pp: int, reinit: int, arm: str) -> dict[str, fl
         env["PORTSPEED_DISABLE"] = TEARDOWN_PATCH
     env.pop("TORCH_GLOO_LAZY_INIT", None)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", str(world), "--master-port", str(_free_port()),
-                    __file__, "--worker", "--tp", str(tp), "--pp", str(pp), "--reinit", str(reinit), "--out", out],
+    subprocess.run([sys.executable, "-m", "portspeed.cli", "run", "--nproc-per-node", str(world),
+                    "--master-port", str(_free_port()), __file__, "--worker", "--tp", str(tp), "--pp", str(pp),
+                    "--reinit", str(reinit), "--out", out],
                    env=env, check=True, timeout=900, stdout=subprocess.DEVNULL)
     got = json.loads(Path(out).read_text())
     got["wall"] = time.perf_counter() - t0

@@ -128,8 +128,8 @@ def _breakdown(module: str, env: dict[str, str]) -> None:
     for label in order + [k for k in ms if k not in order]:
         if label in ms:
             print(f"  {label:64} {ms[label]:7.1f}")
-    print("  (the set-up runs here through portspeed.integrations.activation.activate_waiting(), as the framework's first "
-          "import would run it; a full GC lands inside whichever step allocates when the threshold is crossed)")
+    print("  (the set-up runs here through portspeed.integrations.activation.activate_waiting(), as the framework's "
+          "first import would run it; a full GC lands inside whichever step allocates when the threshold is crossed)")
     if data["headroom"] is not None:
         print(f"  after the import, {data['headroom']} more container allocations set off the next full GC "
               "(torch leaves one pending; crossing it costs tens of ms, whoever allocates)")

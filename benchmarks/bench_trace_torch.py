@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--bytes", type=int, default=4096, help="message size in bytes, float32 (default 4096)")
     p.add_argument("--calls", type=int, default=3000, help="timed calls per arm, interleaved (default 3000)")
-    p.add_argument("--trace", type=int, default=2000, metavar="N", help="portspeed's ring (PORTSPEED_TRACE, default 2000)")
+    p.add_argument("--trace", type=int, default=2000, metavar="N",
+                   help="portspeed's ring (PORTSPEED_TRACE, default 2000)")
     p.add_argument("--torch-fr", type=int, default=None, metavar="N",
                    help="set TORCH_FR_BUFFER_SIZE=N for the run (0: torch's own recording off)")
     p.add_argument("--warmup", type=int, default=200, help="warm-up calls per arm (default 200)")

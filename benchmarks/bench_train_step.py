@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             on, off, timers = per_call_timers(bindings)
             for ns, k, f, _ in on:
                 ns[k] = f
-            swap = [(ns, k, f, plain) for (ns, k, f, _), (_, _, _, plain) in zip(on, off)]
+            swap = [(*timed[:3], plain[3]) for timed, plain in zip(on, off)]  # (namespace, key, recorded, unrecorded)
             other = lambda: unrecorded(swap)  # noqa: E731
         from portspeed.comm import trace
         rec = trace.recorder()

@@ -35,7 +35,8 @@ CONFIGS = {  # name -> probe environment (besides the folder and the iterations)
     "off": None,
     "module": {"PORTSPEED_PROBE_LEVEL": "module"},
     "op": {"PORTSPEED_PROBE_LEVEL": "op"},
-    "nan": {"PORTSPEED_PROBE_NAN": "1", "PORTSPEED_PROBE_ITERATIONS": "1:1"},  # watches every iteration, records the first
+    # watches every iteration, records the first
+    "nan": {"PORTSPEED_PROBE_NAN": "1", "PORTSPEED_PROBE_ITERATIONS": "1:1"},
 }
 
 

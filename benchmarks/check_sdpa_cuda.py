@@ -45,7 +45,8 @@ def check_attention() -> None:
             q, k, v, g = _qkv(8, 2, sq, sk, dtype)
             a = _grads(sdpa.attention_torch, q, k, v, g, attn_mask=m, causal=causal)
             r = _grads(sdpa.attention_reference, q, k, v, g, attn_mask=m, causal=causal)
-            diffs = " ".join(f"{n}={(x - y).abs().max().item():.1e}" for n, x, y in zip(("out", "dq", "dk", "dv"), a, r))
+            diffs = " ".join(f"{n}={(x - y).abs().max().item():.1e}"
+                             for n, x, y in zip(("out", "dq", "dk", "dv"), a, r))
             print(f"attention {str(dtype)[6:]:8s} {name:20s} {diffs}")
 
 
@@ -126,7 +127,8 @@ def bench() -> None:
 
 if __name__ == "__main__":
     print(torch.__version__, torch.cuda.get_device_name())
-    for step in sys.argv[1:] and [globals()[a] for a in sys.argv[1:]] or (check_attention, check_lse, check_varlen, backends, bench):
+    steps = [globals()[a] for a in sys.argv[1:]] or [check_attention, check_lse, check_varlen, backends, bench]
+    for step in steps:
         try:
             step()
         except Exception as exc:  # report every part; one failing does not hide the others

@@ -123,7 +123,8 @@ def cost(blocks: int = 40, per_block: int = 200) -> dict[str, Any]:
     group = dist.group.WORLD
     arms = {"raw": lambda: raw(t), "raw_again": lambda: raw(t), "routed": lambda: routed(t),
             "routed_recorded": lambda: recorded(t),
-            "funcol_raw": lambda: raw_f(t, "sum", group).wait(), "funcol_recorded": lambda: rec_f(t, "sum", group).wait()}
+            "funcol_raw": lambda: raw_f(t, "sum", group).wait(),
+            "funcol_recorded": lambda: rec_f(t, "sum", group).wait()}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for fn in arms.values():
         for _ in range(50):
@@ -149,7 +150,8 @@ def cost(blocks: int = 40, per_block: int = 200) -> dict[str, Any]:
                        "routed_recorded/raw": round(med["routed_recorded"] / med["raw"], 3),
                        "routed_recorded/routed": round(med["routed_recorded"] / med["routed"], 3),
                        "funcol_recorded/funcol_raw": round(med["funcol_recorded"] / med["funcol_raw"], 3)},
-            "method": f"{blocks} rounds of alternating blocks of {per_block} calls, synchronised; medians of block means"}
+            "method": f"{blocks} rounds of alternating blocks of {per_block} calls, synchronised; "
+                      "medians of block means"}
 
 
 def main() -> int:
@@ -185,7 +187,8 @@ def main() -> int:
     try:  # in a child: the recorder and the patches it sets up must not touch this process
         c = subprocess.run([sys.executable, __file__, "--cost-only", "--device", args.device], cwd=REPO,
                            capture_output=True, text=True, timeout=180)
-        result["cost"] = json.loads(c.stdout[c.stdout.index("{"):]) if c.returncode == 0 else {"error": c.stderr[-1500:]}
+        result["cost"] = (json.loads(c.stdout[c.stdout.index("{"):]) if c.returncode == 0
+                          else {"error": c.stderr[-1500:]})
     except Exception as exc:
         result["cost"] = {"error": repr(exc)}
     print("== cost:", json.dumps(result["cost"])[:1500])

@@ -62,7 +62,8 @@ class ProbeTag:
     def launch(self, name: str, nproc: int, flags: tuple[str, ...], probe: tuple[str, ...] = (),
                adaptor: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[int, str]:
         rdzv = ("--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()))
-        paths = [str(self.run.tree), str(REPO / "tests" / "data") if adaptor else "", self.run.env.get("PYTHONPATH", "")]
+        paths = [str(self.run.tree), str(REPO / "tests" / "data") if adaptor else "",
+                 self.run.env.get("PYTHONPATH", "")]
         full = self.run.env | {"PYTHONPATH": os.pathsep.join(p for p in paths if p)} | (env or {})
         cmd = [str(self.run.leg.python), "-m", "portspeed.cli", "run", *adaptor, *probe, *rdzv,
                str(self.run.script), *flags]

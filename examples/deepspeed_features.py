@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deepspeed_train as dt  # noqa: E402  (the ZeRO runs, the launcher-less environment)
+from deepspeed_args import build_parser, parse_runs  # noqa: E402  (deepspeed_train.py's options)
 
 FEATURES = ("ulysses", "ulysses_stream", "zero3", "autotp")
 
@@ -212,7 +213,7 @@ def autotp(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--features", default=",".join(FEATURES), help=f"comma-separated of {', '.join(FEATURES)}")
-    p.add_argument("--runs", type=dt.parse_runs, default=[], help="deepspeed_train.py run items, e.g. 3:fp32:qgz")
+    p.add_argument("--runs", type=parse_runs, default=[], help="deepspeed_train.py run items, e.g. 3:fp32:qgz")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per feature run (--runs: 6)")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
@@ -242,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                               "ds_accelerator": type(deepspeed.accelerator.get_accelerator()).__name__,
                               "node_size": deepspeed.accelerator.get_accelerator().device_count(),
                               "features": {}, "runs": {}}
-    train_args = dt.build_parser().parse_args(["--steps", "6", "--global-batch", str(args.global_batch),
-                                               "--seed", str(args.seed), "--lr", str(args.lr)])
+    train_args = build_parser("deepspeed_train.py").parse_args(
+        ["--steps", "6", "--global-batch", str(args.global_batch), "--seed", str(args.seed), "--lr", str(args.lr)])
     for run in args.runs:
         record["runs"][run.key] = dt.train_run(train_args, run, dt.make_data(train_args))
     data = dt.make_data(args)

@@ -1,4 +1,4 @@
-"""Train a tiny MLP with DeepSpeed's pipeline engine (``PipelineModule``, ``train_batch``), on whatever portspeed runs on.
+"""Train a tiny MLP with DeepSpeed's pipeline engine (``PipelineModule``, ``train_batch``) on what portspeed runs on.
 
 Unmodified DeepSpeed usage; the only portspeed line is the adaptor import (``--no-portspeed``
 leaves it out, for the stock baseline with ``DS_ACCELERATOR=cpu``). The same model and data

@@ -33,100 +33,10 @@ import json
 import os
 import socket
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
-STAGES = (0, 1, 2, 3)
-DTYPES = ("fp32", "bf16", "fp16")
-#: where ZeRO keeps optimizer state / parameters: "" (with the model), and the stage each needs at least
-OFFLOADS = {"offload": 1, "offload_param": 3, "nvme": 3}
-#: ZeRO++ options (ZeRO-3 only): their DeepSpeed settings (hpz: the secondary partition spans the world)
-ZEROPP = {"qwz": "zero_quantized_weights", "qgz": "zero_quantized_gradients", "hpz": "zero_hpz_partition_size"}
-#: the dtype's torch name, for the inputs
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
-class Run(NamedTuple):
-    """One ``--runs`` item: ZeRO stage, dtype, where ZeRO keeps its state, optimizer, planted overflow."""
-
-    key: str
-    stage: int
-    dtype: str
-    where: str
-    optimizer: str | None  # None: --optimizer
-    overflow: bool
-    zeropp: tuple[str, ...] = ()  # of ZEROPP
-
-
-def parse_runs(text: str) -> list[Run]:
-    """Parse ``"0:fp32,3:bf16:offload+adam"`` into Runs, or raise naming the bad item."""
-    out = []
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        stage, sep, rest = item.partition(":")
-        dtype, _, opts = rest.partition(":")
-        words = [w for w in opts.split("+") if w]
-        where = [w for w in words if w in OFFLOADS]
-        optimizer = [w for w in words if w in ("sgd", "adam")]
-        zeropp = tuple(w for w in words if w in ZEROPP)
-        bad = (not sep or not stage.isdigit() or int(stage) not in STAGES or dtype not in DTYPES
-               or len(where) > 1 or len(optimizer) > 1 or len(words) != len(set(words))
-               or any(w not in OFFLOADS and w not in ZEROPP and w not in ("sgd", "adam", "overflow") for w in words)
-               or (where and int(stage) < OFFLOADS[where[0]]) or ("overflow" in words and dtype != "fp16")
-               or (zeropp and int(stage) != 3))
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"--runs item {item!r} must be STAGE:DTYPE[:OPTIONS] with STAGE in {STAGES}, DTYPE in {DTYPES} and "
-                "OPTIONS '+'-joined from: offload (ZeRO 1-3), offload_param or nvme (ZeRO-3); sgd or adam; overflow "
-                "(fp16); qwz, qgz, hpz (ZeRO++, ZeRO-3); e.g. '0:fp32,3:bf16,2:fp32:offload+adam,3:fp16:qwz+qgz+hpz'")
-        out.append(Run(item, int(stage), dtype, where[0] if where else "", optimizer[0] if optimizer else None,
-                       "overflow" in words, zeropp))
-    if not out:
-        raise argparse.ArgumentTypeError("--runs needs at least one STAGE:DTYPE item")
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=parse_runs, default=parse_runs("2:fp32"),
-                   help="comma-separated ZeRO_STAGE:DTYPE[:OPTIONS] runs (default 2:fp32); OPTIONS joined by '+': "
-                        "offload (optimizer state and step on the host), offload_param (ZeRO-3: parameters too), "
-                        "nvme (ZeRO-3: both on disk under --nvme-dir); sgd / adam (else --optimizer); overflow "
-                        "(fp16: step --overflow-at overflows); qwz / qgz / hpz (ZeRO-3: ZeRO++'s quantized weights, "
-                        "quantized gradients, secondary partition over all ranks)")
-    p.add_argument("--nvme-dir", default=None, help="directory for nvme runs (a local disk)")
-    p.add_argument("--overflow-at", type=int, default=2,
-                   help="the step (from 0) whose scaled gradients overflow in 'overflow' runs (it must be skipped)")
-    p.add_argument("--fp16-stage0-as-is", action="store_true",
-                   help="ZeRO-0 fp16: leave DeepSpeed 0.19.8's unscaled loss as it is (shows the upstream bug)")
-    p.add_argument("--dist-port", type=int, default=29500,
-                   help="port DeepSpeed's MPI discovery gives MASTER_PORT (under mpirun)")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
-    p.add_argument("--global-batch", type=int, default=8, help="samples per step over all ranks")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--no-portspeed", action="store_true", help="do not import portspeed (stock baseline)")
-    p.add_argument("--dist-backend", default=None,
-                   help="backend asked of deepspeed.init_distributed (e.g. nccl); default: the accelerator's")
-    p.add_argument("--torch-dist-first", action="store_true",
-                   help="call torch.distributed.init_process_group before DeepSpeed does")
-    p.add_argument("--save-dir", default=None, help="save a ZeRO checkpoint per run here")
-    p.add_argument("--save-at", type=int, default=3, help="step after which to save (with --save-dir)")
-    p.add_argument("--resume-from", default=None,
-                   help="load each run's checkpoint from this directory and train the remaining steps")
-    p.add_argument("--megatron", action="store_true",
-                   help="Megatron-DeepSpeed style: also import portspeed.megatron_adaptor and hand DeepSpeed "
-                        "Megatron-Core's parallel state (tensor/pipeline parallel 1) as its mpu")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
-                   help="sgd: a client torch SGD (momentum 0.9); adam: DeepSpeed's own Adam from the config "
-                        "(DeepSpeedCPUAdam, a host kernel JIT-built on first use, in offload runs; torch's Adam "
-                        "otherwise)")
-    p.add_argument("--gradient-clipping", type=float, default=None,
-                   help="DeepSpeed's gradient_clipping (default: DeepSpeed's own, 1.0 in 0.19; 0 turns it off)")
-    p.add_argument("--count-all-to-all", action="store_true",
-                   help="count torch.distributed.all_to_all_single calls per run and dtype (qgZ's quantized "
-                        "gradients travel as int8), into the record")
-    p.add_argument("--out", default=None, help="JSON file rank 0 writes the losses to")
-    return p
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # deepspeed_args.py, beside this file
+from deepspeed_args import TORCH_DTYPES, ZEROPP, Run, build_parser  # noqa: E402
 
 #: variables mpirun (Open MPI, MPICH / Hydra) sets: DeepSpeed's MPI discovery then fills the rest
 MPI_ENV = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}
@@ -300,27 +210,15 @@ def quantizer_calls() -> dict[str, int]:
 
 def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: Any = None) -> dict[str, Any]:
     """One engine: train (or resume), return the global per-step losses (fp16: loss scales and skips too)."""
-    import deepspeed
     import torch
     import torch.distributed as dist
 
-    stage, dtype, offload = run.stage, run.dtype, run.where
+    stage, dtype = run.stage, run.dtype
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.global_batch % world:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {world}")
     micro = args.global_batch // world
-    model = make_model(args.seed, last_bias=not run.zeropp)
-    sgd = (run.optimizer or args.optimizer) == "sgd"
-    config = ds_config(stage, dtype, args.global_batch, world, offload, adam_lr=None if sgd else args.lr / 5,
-                       nvme_dir=args.nvme_dir, zeropp=run.zeropp)
-    if args.gradient_clipping is not None:
-        config["gradient_clipping"] = args.gradient_clipping
-    if sgd:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu, config=config)
-    else:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
-                                               config=config)
+    engine = make_engine(args, run, world, mpu)
     tag = "zero" + run.key.replace(":", "_").replace("+", "_")
     start = 0
     if args.resume_from:
@@ -359,8 +257,38 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
             fp16["param_sum"].append(_param_sum(engine) if stage < 3 else None)
         if args.save_dir and step + 1 == args.save_at:
             engine.save_checkpoint(args.save_dir, tag=tag)
+    placement = where_things_are(engine, secondary, calls_before, a2a_before)
+    engine.destroy()
+    return {"start_step": start, "losses": losses, **placement, **({"fp16": fp16} if dtype == "fp16" else {})}
+
+
+def make_engine(args: argparse.Namespace, run: Run, world: int, mpu: Any) -> Any:
+    """A fresh model and its DeepSpeed engine for ``run``: a client SGD, or DeepSpeed's Adam from the config."""
+    import deepspeed
+    import torch
+
+    model = make_model(args.seed, last_bias=not run.zeropp)
+    sgd = (run.optimizer or args.optimizer) == "sgd"
+    config = ds_config(run.stage, run.dtype, args.global_batch, world, run.where,
+                       adam_lr=None if sgd else args.lr / 5, nvme_dir=args.nvme_dir, zeropp=run.zeropp)
+    if args.gradient_clipping is not None:
+        config["gradient_clipping"] = args.gradient_clipping
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, mpu=mpu, config=config)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), mpu=mpu,
+                                               config=config)
+    return engine
+
+
+def where_things_are(engine: Any, secondary: int, calls_before: dict[str, int],
+                     a2a_before: dict[str, int]) -> dict[str, Any]:
+    """Where the run's parameters and optimizer lived, and what it called (for the record)."""
+    import deepspeed
+
     params = list(engine.module.parameters())
-    placement = {
+    return {
         "param_device": str(params[0].device),
         # every rank's (rank 0 writes the record): one device per rank, each rank on its own
         "param_devices": rank_devices(params[0]),
@@ -379,12 +307,10 @@ def train_run(args: argparse.Namespace, run: Run, data: tuple[Any, Any], mpu: An
                             if v != calls_before.get(k, 0)},
         "all_to_all": {k: v - a2a_before.get(k, 0) for k, v in ALL_TO_ALL.items() if v != a2a_before.get(k, 0)},
     }
-    engine.destroy()
-    return {"start_step": start, "losses": losses, **placement, **({"fp16": fp16} if dtype == "fp16" else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(__doc__.split("\n\n")[0]).parse_args(argv)
     if args.resume_from and not 0 < args.save_at < args.steps:
         raise SystemExit(f"--save-at {args.save_at} must be between 1 and --steps - 1 ({args.steps - 1})")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if model_args.vpp is not None:
         raise SystemExit("generate_gpt.py: --vpp: Megatron's inference wrappers take one model chunk per rank")
     if model_args.dp != 1:
-        raise SystemExit(f"generate_gpt.py: world size must be tp x pp (data parallel {model_args.dp} is not used here)")
+        raise SystemExit(
+            f"generate_gpt.py: world size must be tp x pp (data parallel {model_args.dp} is not used here)")
     gen.prompts = gen.prompt or DEFAULT_PROMPTS
     longest = max(len(p) for p in gen.prompts)
     if longest + gen.tokens > model_args.seq_length:

@@ -121,7 +121,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     args.dp = dp
     check_model_args(args, fail)
     if args.vocab_size % args.tp:
-        fail(f"--vocab-size {args.vocab_size} must be divisible by --tp {args.tp} so every layout sees the same vocabulary")
+        fail(f"--vocab-size {args.vocab_size} must be divisible by --tp {args.tp} "
+             "so every layout sees the same vocabulary")
     if args.global_batch_size % (args.micro_batch_size * dp):
         fail(f"--global-batch-size {args.global_batch_size} must be a multiple of micro-batch "
              f"{args.micro_batch_size} x dp {dp}")

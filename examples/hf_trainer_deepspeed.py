@@ -1,4 +1,4 @@
-"""Train a tiny Llama with the Hugging Face ``Trainer`` and ``TrainingArguments(deepspeed=...)``, as most DeepSpeed users do.
+"""Train a tiny Llama with Hugging Face's ``Trainer`` and ``TrainingArguments(deepspeed=...)``, as DeepSpeed users do.
 
 The script is plain Trainer usage with no portspeed import of its own: the adaptor comes from
 the launcher (``portspeed run --adaptor deepspeed``), and the stock baseline is the same
@@ -134,7 +134,8 @@ def train(args: argparse.Namespace, key: str, zero: int, offload: bool) -> None:
         if "portspeed.deepspeed_adaptor" in sys.modules:  # under `portspeed run`: what became of Accelerate's patches
             import portspeed
 
-            meta["patches"] = {r["name"]: r["status"] for r in portspeed.report() if r["name"].startswith("accelerate.")}
+            meta["patches"] = {r["name"]: r["status"] for r in portspeed.report()
+                               if r["name"].startswith("accelerate.")}
         writer = LossRecordWriter(os.path.join(args.out, key.replace(":", "_") + ".json"), meta=meta)
         for step, loss in record.losses:
             writer.add(step, loss)

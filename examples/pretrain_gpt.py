@@ -61,7 +61,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from portspeed import config as ps_config
 from portspeed import get_accelerator
 import portspeed.comm as ps_comm
-from portspeed.megatron_adaptor import open_loss_log
+from portspeed.parity.losslog import open_loss_log
 
 from gpt_args import parse_args
 from gpt_checkpoint import load_checkpoint, save_checkpoint, sharded_state  # noqa: F401 (generate_gpt)
@@ -136,7 +136,8 @@ def build_model(args: argparse.Namespace) -> tuple[list[DistributedDataParallel]
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16, average_in_collective=args.average_in_collective,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer, bucket_size=None if not args.overlap_grad_reduce else 40000)
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=None if not args.overlap_grad_reduce else 40000)
     if args.transformer_impl == "transformer_engine":
         layer_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts)
     else:
@@ -240,7 +241,8 @@ def setup(args: argparse.Namespace) -> tuple[list, Any, TransformerConfig, int]:
     return model, optimizer, config, start
 
 
-def train_step(args: argparse.Namespace, model: list, optimizer: Any, it: int) -> tuple[float | None, float | None, bool]:
+def train_step(args: argparse.Namespace, model: list, optimizer: Any,
+               it: int) -> tuple[float | None, float | None, bool]:
     """One iteration; returns (DP-averaged lm loss on the loss-holding ranks else None, grad norm, update ok)."""
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if report:
         layout = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "vpp": args.vpp}
         writer = open_loss_log(args.loss_log, layout, "bf16" if args.bf16 else "fp32",
-                               backend=dist.get_backend())
+                               backend=dist.get_backend(), accelerator=get_accelerator().name)
         if writer is not None:
             writer.record.meta["model"] = model_meta(args)
     rank = dist.get_rank()

@@ -62,8 +62,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import portspeed.comm as ps_comm
-from portspeed.megatron_adaptor import open_loss_log
-from portspeed.parity.losslog import IterationLoss
+from portspeed import get_accelerator
+from portspeed.parity.losslog import IterationLoss, open_loss_log
 
 CLIP = 0.2  # PPO's ratio clip
 WRAPPERS = ("ddp", "megatron-fsdp", "fsdp2")
@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
         ps.get_data_parallel_rank() == 0
     layout = {"tp": args.tp, "pp": args.pp, "dp": args.dp, "vpp": None}
-    losses = open_loss_log(args.loss_log, layout, "fp32", dist.get_backend()) if reporter else None
-    logprobs = open_loss_log(args.logprob_log, layout, "fp32", dist.get_backend()) if reporter else None
+    facts = {"backend": dist.get_backend(), "accelerator": get_accelerator().name}
+    losses = open_loss_log(args.loss_log, layout, "fp32", **facts) if reporter else None
+    logprobs = open_loss_log(args.logprob_log, layout, "fp32", **facts) if reporter else None
     for record in (r for r in (losses, logprobs) if r is not None):
         record.record.meta["real_backend"] = ps_comm.real_backend()  # get_backend() answers "nccl", as asked
         record.record.meta["dp_wrapper"] = args.dp_wrapper + (

@@ -93,5 +93,5 @@ class AcmeAccelerator(PrivateUse1Accelerator):
 
     @classmethod
     def kernels(cls) -> dict[str, Any]:
-        return {"attention": attention, "attention_lse": attention_lse, "attention_lse_backward": attention_lse_backward,
-                "rms_norm": rms_norm, "grouped_mm": grouped_mm}
+        return {"attention": attention, "attention_lse": attention_lse,
+                "attention_lse_backward": attention_lse_backward, "rms_norm": rms_norm, "grouped_mm": grouped_mm}

@@ -9,8 +9,8 @@ rarely called ones are wrapped).
 Each wrapper translates only when (a) the adapter does not run CUDA natively (the ``when``
 condition ``conditions.translated``: on CUDA and ROCm these patches are inactive), (b) the
 call names CUDA and (c) the caller is a framework module (see
-``portspeed.accelerator.translation.is_framework_module``). The caller's frame is looked at only after (a) and (b) hold, so the common path costs a type
-check per argument. Everything else gets torch's own behaviour, errors included.
+``portspeed.accelerator.translation.is_framework_module``). The caller's frame is looked at only after (a) and (b) hold,
+so the common path costs a type check per argument. Everything else gets torch's own behaviour, errors included.
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ _COLLECTIVE_REASONS = {
                              "rewrite those calls.",
     "reduce_scatter_single": "torch 2.13's name for reduce_scatter_tensor (the old name delegates to it); "
                              "same rewrites.",
-    "reduce_scatter": "Gloo has no list reduce_scatter before torch 2.8 and ignores the op on 2.8; rewrite those calls.",
+    "reduce_scatter": "Gloo has no list reduce_scatter before torch 2.8 and ignores the op on 2.8; "
+                      "rewrite those calls.",
     "all_to_all": "Gloo has no list all_to_all before torch 2.12; send it through all_to_all_single.",
     "all_gather_into_tensor": "Gloo wants each output chunk shaped as the input where NCCL only counts elements "
                               "(Megatron's gather_split_1d_tensor passes a flat output); view such outputs as chunks.",
@@ -67,7 +68,8 @@ PATCHES: list[Patch] = [
         impl=groups.wrap_get_backend,
         distribution="torch",
         versions=_TORCH,
-        reason="Code that tests get_backend() == 'nccl' must keep its path after the group was mapped to another backend.",
+        reason="Code that tests get_backend() == 'nccl' must keep its path after the group was mapped to another "
+               "backend.",
     ),
     Patch(
         name="torch.distributed.destroy_process_group.forget",

@@ -7,11 +7,14 @@ The public entry point for DeepSpeed scripts::
 Importing it validates the PORTSPEED_* environment (a bad value fails here) and arranges
 for ``activate()`` to run just before DeepSpeed's first module loads (at once when DeepSpeed
 is already imported). What ``activate()`` does lives in ``portspeed.integrations.deepspeed``;
-this module only names it.
+this module names it, and its import is the one that arranges the set-up.
 """
 
 from __future__ import annotations
 
-from portspeed.integrations.deepspeed import activate, deactivate, deepspeed_patches, ds_accelerator_for_adapter
+from portspeed.integrations.deepspeed import (activate, deactivate, deepspeed_patches, defer_activation,
+                                              ds_accelerator_for_adapter)
 
 __all__ = ["activate", "deactivate", "deepspeed_patches", "ds_accelerator_for_adapter"]
+
+defer_activation()

@@ -63,4 +63,4 @@ class CclCheckError(PortspeedError):
 
 
 class UnsupportedOptionError(PortspeedError, ValueError):
-    """A framework option needs machinery the active adapter lacks (a CUDA-only library or kernel); refused at start-up."""
+    """A framework option needs what the active adapter lacks (a CUDA-only library or kernel); refused at start-up."""

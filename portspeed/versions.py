@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from packaging.version import Version
 
-__all__ = ["SOURCE_PACKAGES", "SUPPORTED", "GateVersion", "clear_cache", "distribution_version",
+__all__ = ["SOURCE_PACKAGES", "SUPPORTED", "GateVersion", "distribution_version",
            "gate_version", "package_info_version", "source_version"]
 
 #: distribution -> the package whose ``package_info.py`` (MAJOR, MINOR, PATCH, PRE_RELEASE) names the
@@ -151,8 +151,3 @@ def gate_version(distribution: str) -> GateVersion:
     if version is not None and where is not None:
         return GateVersion(version, where, installed)
     return GateVersion(installed, "metadata", installed)
-
-
-def clear_cache() -> None:
-    """Forget looked-up versions (tests that install or fake distributions)."""
-    distribution_version.cache_clear()

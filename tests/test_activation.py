@@ -54,9 +54,9 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
             "first_finder": repr(sys.meta_path[0]),
             "records": len(portspeed.manager().records()),
             "translation": "portspeed.accelerator.translation" in sys.modules,
-            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router", "portspeed.comm.groups",
-                                          "portspeed.comm.rewrites", "portspeed.accelerator.contract",
-                                          "portspeed.accelerator.selection")
+            "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router",
+                                          "portspeed.comm.groups", "portspeed.comm.rewrites",
+                                          "portspeed.accelerator.contract", "portspeed.accelerator.selection")
                             if m in sys.modules),
             "all_reduce_untouched": dist.all_reduce is before,
         }))
@@ -146,6 +146,20 @@ def test_bad_environment_fails_at_the_adaptor_import(tmp_path: Path) -> None:
         assert words in res.stderr, res.stderr[-2000:]
 
 
+def test_the_integration_modules_import_without_checking_or_arming(tmp_path: Path) -> None:
+    """Importing ``portspeed.integrations.megatron`` / ``.deepspeed`` only defines: no check, no trigger, no hook;
+    the adaptor's import is what checks and arms."""
+    got = child_json('''
+        import json, sys
+        import portspeed
+        import portspeed.integrations.deepspeed, portspeed.integrations.megatron
+        from portspeed.integrations import activation
+        print(json.dumps({"waiting": activation.waiting(), "before_report": len(portspeed._before_report),
+                          "triggers": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)]}))
+    ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_STRICT="maybe"))
+    assert got == {"waiting": [], "before_report": 0, "triggers": []}
+
+
 def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
     """A known adapter whose vendor package is missing fails the framework's import (the device tier of the
     checks runs at activation; an unknown name is refused at the adaptor's import already); activate() retries it."""
@@ -177,7 +191,7 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
 
 
 def test_other_modules_import_normally_while_waiting(tmp_path: Path) -> None:
-    """Until it fires, the trigger answers None for every other module (stdlib, torch, a module named like the prefix)."""
+    """Until it fires, the trigger answers None for every other module (stdlib, torch, one named like the prefix)."""
     (tmp_path / "fw_pkg_other.py").write_text("VALUE = 7\n")
     got = child_json('''
         import json

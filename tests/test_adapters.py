@@ -11,7 +11,8 @@ npu, mlu and musa are out-of-tree devices: their vendor packages rename torch's
 PrivateUse1 device so that ``torch.device('npu', 0)`` parses, which torch allows once
 per process. Their checks therefore run in one child process per vendor (the fake does
 the rename there, as the real package would), and each check's outcome is reported here
-as its own test. xpu and hpu are native torch device types and run in this process.
+as its own test. xpu and hpu are native torch device types and run in this process. The checks themselves:
+tests/helpers/adapter_checks.py.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ if str(_HERE) not in sys.path:
     sys.path.insert(0, str(_HERE))
 
 from fakes import fake_habana, fake_torch_mlu, fake_torch_musa, fake_torch_npu, fake_torch_xpu  # noqa: E402
+from helpers.adapter_checks import (CHECKS, check_backend, check_device_never_none, check_dtypes,  # noqa: E402
+                                    check_rng_roundtrip, expected, run_checks)
 from helpers.launch import child_json  # noqa: E402
 
 from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class  # noqa: E402
-from portspeed.vendor import ModuleGenerator, PrivateUse1Accelerator, registered_backend  # noqa: E402
-from portspeed.accelerator.capabilities import KNOWN_BACKENDS, check_backend_name  # noqa: E402
+from portspeed.vendor import ModuleGenerator, PrivateUse1Accelerator  # noqa: E402
 from portspeed.errors import MissingVendorPackageError, UnknownBackendError, UnsupportedCudaCallError  # noqa: E402
 
 ADAPTERS = tuple(BUILTIN_ADAPTERS)
@@ -52,214 +54,6 @@ FAKES: dict[str, Callable[..., Any]] = {
     "xpu": fake_torch_xpu.installed,
     "hpu": fake_habana.installed,
 }
-
-
-#: Adapters whose hardware this project has run: the only ones that may claim ``verified_on_hardware``.
-VERIFIED_ON_HARDWARE = frozenset({"cpu"})
-#: Devices whose float64 is not dependable (computed as float32, or not at all), per vendor documentation:
-#: their adapters must answer ``is_fp64_supported() is False``, whatever the device properties say.
-NO_DEPENDABLE_FP64 = frozenset({"npu", "mlu", "hpu"})
-#: Backend names that two vendors share: portspeed's table (KNOWN_BACKENDS) keys by name and lists
-#: Ascend's HCCL; Habana's collective library is also called HCCL.
-SHARED_BACKEND_NAMES = {"hpu": "hccl"}
-
-
-def _expected(name: str) -> dict[str, Any]:
-    """Behaviour each adapter must show that its class attributes do not state (fakes at their defaults).
-
-    Names, device types and backends are not restated here: ``check_identity`` and
-    ``check_backend`` derive them from the device runtime (the fake's) and from
-    ``KNOWN_BACKENDS`` / torch's registered backends.
-    """
-    cuda_bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    device = name.removeprefix("generic-")
-    return dict(bf16=cuda_bf16 if device == "cuda" else True, fp16=True, fp64=device not in NO_DEPENDABLE_FP64,
-                verified=name in VERIFIED_ON_HARDWARE)
-
-
-# ----------------------------------------------------------------------------- checks
-# Each check takes the adapter, the fake's state (None on real devices) and the expected
-# table row, and raises AssertionError on a violation.
-
-
-def _count(acc: Accelerator) -> int:
-    return acc.device_count()
-
-
-def check_identity(acc: Accelerator, state: Any, exp: dict) -> None:
-    assert acc.name and (acc.name not in BUILTIN_ADAPTERS or adapter_class(acc.name) is type(acc))
-    if acc.name in BUILTIN_ADAPTERS:
-        assert acc.device_type == acc.name, "a built-in adapter is named after its torch device type"
-    if state is not None:
-        assert acc.device_type == state.device_type, "the adapter must name the device its runtime registers"
-    assert torch.device(acc.device_type).type == acc.device_type, "the device type must be one torch parses"
-    d = acc.describe()
-    assert d["name"] == acc.name and d["device_type"] == acc.device_type
-    assert d["backend"] == acc.communication_backend
-    assert acc.verified_on_hardware is exp["verified"], "only adapters run on their hardware may claim it"
-
-
-def check_availability(acc: Accelerator, state: Any, exp: dict) -> None:
-    assert acc.is_available() is True
-
-
-def check_device_count(acc: Accelerator, state: Any, exp: dict) -> None:
-    n = acc.device_count()
-    assert isinstance(n, int) and n >= 1
-    if state is not None:
-        assert n == state.count
-
-
-def check_device_never_none(acc: Accelerator, state: Any, exp: dict) -> None:
-    for index in (None, 0, _count(acc) - 1):
-        d = acc.device(index)
-        assert d is not None, f"device({index}) returned None"
-        assert isinstance(d, torch.device) and d.type == acc.device_type
-        if acc.device_type != "cpu":
-            assert d.index == (acc.current_device() if index is None else index)
-
-
-def check_current_set_device(acc: Accelerator, state: Any, exp: dict) -> None:
-    last = _count(acc) - 1
-    try:
-        acc.set_device(last)
-        assert acc.current_device() == last
-        acc.set_device(torch.device(acc.device_type, 0))
-        assert acc.current_device() == 0
-        acc.set_device(f"{acc.device_type}:{last}")
-        assert acc.current_device() == last
-        if state is not None:
-            assert state.current == last, "set_device must reach the vendor module"
-    finally:
-        acc.set_device(0)
-
-
-def check_synchronize(acc: Accelerator, state: Any, exp: dict) -> None:
-    before = state.synchronized if state is not None else 0
-    assert acc.synchronize() is None
-    assert acc.synchronize(0) is None
-    if state is not None:
-        assert state.synchronized == before + 2, "synchronize must reach the vendor module"
-
-
-def _draw(g: torch.Generator) -> torch.Tensor:
-    return torch.rand(16, generator=g, device=g.device)
-
-
-def check_rng_roundtrip(acc: Accelerator, state: Any, exp: dict) -> None:
-    g = acc.default_generator()
-    assert isinstance(g, torch.Generator)
-    saved = acc.get_rng_state()
-    assert isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8
-    a = _draw(g)
-    assert not torch.equal(acc.get_rng_state(), saved), "drawing must advance the generator state"
-    acc.set_rng_state(saved)
-    assert torch.equal(_draw(g), a), "restoring the RNG state must replay the same numbers"
-
-
-def check_seed_determinism(acc: Accelerator, state: Any, exp: dict) -> None:
-    acc.manual_seed(1234)
-    a = _draw(acc.default_generator())
-    acc.manual_seed(1234)
-    assert torch.equal(_draw(acc.default_generator()), a)
-    assert acc.initial_seed() == 1234
-    acc.manual_seed(4321)
-    assert not torch.equal(_draw(acc.default_generator()), a)
-    acc.manual_seed_all(77)
-    for i in range(_count(acc)):
-        assert acc.default_generator(i).initial_seed() == 77
-
-
-def check_streams_events(acc: Accelerator, state: Any, exp: dict) -> None:
-    before = acc.current_stream()
-    assert acc.default_stream() is not None
-    s = acc.Stream()
-    with acc.stream(s):
-        assert acc.current_stream() == s
-    assert acc.current_stream() == before
-    with acc.stream(None):  # torch.cuda.stream(None) is a no-op context; every adapter must accept it
-        assert acc.current_stream() == before
-    s.wait_stream(acc.current_stream())
-    start, end = acc.Event(enable_timing=True), acc.Event(enable_timing=True)
-    start.record()
-    end.record()
-    end.synchronize()
-    assert isinstance(end.query(), bool)
-    ms = start.elapsed_time(end)
-    assert isinstance(ms, float) and ms >= 0.0
-
-
-def check_memory_stats(acc: Accelerator, state: Any, exp: dict) -> None:
-    values = {
-        f: getattr(acc, f)()
-        for f in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
-    }
-    for f, v in values.items():
-        assert isinstance(v, int) and v >= 0, f"{f}() returned {v!r}"
-    assert values["max_memory_allocated"] >= values["memory_allocated"]
-    assert isinstance(acc.memory_stats(), dict)
-    total = acc.total_memory()
-    assert isinstance(total, int) and total > 0
-    assert acc.empty_cache() is None
-    assert acc.reset_peak_memory_stats() is None
-    if state is not None:  # the adapter must report what the device runtime says, not a constant
-        base = acc.memory_allocated()
-        state.fake_allocate(4096)
-        assert acc.memory_allocated() == base + 4096
-        state.fake_free(4096)
-        assert acc.memory_allocated() == base
-        assert acc.max_memory_allocated() >= base + 4096
-        acc.reset_peak_memory_stats()
-        assert acc.max_memory_allocated() == base
-        assert total == state.total_memory
-
-
-def check_dtypes(acc: Accelerator, state: Any, exp: dict) -> None:
-    dtypes = acc.supported_dtypes()
-    assert all(isinstance(d, torch.dtype) for d in dtypes) and torch.float32 in dtypes
-    assert acc.is_bf16_supported() is exp["bf16"] and (torch.bfloat16 in dtypes) is exp["bf16"]
-    assert acc.is_fp16_supported() is exp["fp16"] and (torch.float16 in dtypes) is exp["fp16"]
-    assert acc.is_fp64_supported() is exp["fp64"] and (torch.float64 in dtypes) is exp["fp64"]
-
-
-def check_backend(acc: Accelerator, state: Any, exp: dict) -> None:
-    backend = acc.communication_backend
-    check_backend_name(backend)
-    serves = KNOWN_BACKENDS.get(backend) == acc.device_type or registered_backend(acc.device_type) == backend
-    assert serves or SHARED_BACKEND_NAMES.get(acc.device_type) == backend, (
-        f"{backend!r} is not a backend of device type {acc.device_type!r} (KNOWN_BACKENDS, or registered by torch)")
-    assert type(acc)(backend="gloo").communication_backend == "gloo", "PORTSPEED_BACKEND must override"
-
-
-def check_capabilities(acc: Accelerator, state: Any, exp: dict) -> None:
-    caps = acc.capabilities()
-    assert caps is not None
-    assert getattr(caps, "backend", acc.communication_backend) == acc.communication_backend
-
-
-def check_profiling_ranges(acc: Accelerator, state: Any, exp: dict) -> None:
-    acc.range_push("conformance")
-    acc.range_pop()
-    if hasattr(state, "ranges"):  # the mlu fake records cnpx calls
-        assert state.ranges == ["push:conformance", "pop"]
-
-
-CHECKS: tuple[Callable[[Accelerator, Any, dict], None], ...] = (
-    check_identity,
-    check_availability,
-    check_device_count,
-    check_device_never_none,
-    check_current_set_device,
-    check_synchronize,
-    check_rng_roundtrip,
-    check_seed_determinism,
-    check_streams_events,
-    check_memory_stats,
-    check_dtypes,
-    check_backend,
-    check_capabilities,
-    check_profiling_ranges,
-)
 
 
 # ----------------------------------------------------------------------------- running
@@ -279,23 +73,10 @@ def adapter_under_test(name: str, register_device: bool = False) -> Iterator[tup
         yield cls(), state
 
 
-def _run_checks(acc: Accelerator, state: Any, exp: dict) -> dict[str, str]:
-    """Every check on ``acc``; {check name: 'ok' or the failure text}."""
-    out: dict[str, str] = {}
-    for check in CHECKS:
-        try:
-            with torch.random.fork_rng(devices=[]):
-                check(acc, state, exp)
-            out[check.__name__] = "ok"
-        except Exception:
-            out[check.__name__] = traceback.format_exc()
-    return out
-
-
 def _run_checks_here(name: str, register_device: bool) -> dict[str, str]:
     """Run every check on adapter ``name``; {check name: 'ok' or the failure text}."""
     with adapter_under_test(name, register_device=register_device) as (acc, state):
-        return _run_checks(acc, state, _expected(name))
+        return run_checks(acc, state, expected(name))
 
 
 def _child_main(name: str) -> None:
@@ -322,7 +103,7 @@ def test_conformance(name: str, check: Callable[[Accelerator, Any, dict], None])
             pytest.fail(f"{name} (in its child process): {result}")
         return
     with adapter_under_test(name) as (acc, state), torch.random.fork_rng(devices=[]):
-        check(acc, state, _expected(name))
+        check(acc, state, expected(name))
 
 
 @pytest.mark.parametrize("name", ["npu", "mlu", "musa", "hpu"])
@@ -387,7 +168,7 @@ class _BrokenCpu(adapter_class("cpu")):  # type: ignore[misc]
 def test_checks_catch_a_broken_adapter(check: Callable[[Accelerator, Any, dict], None]) -> None:
     """The conformance checks fail on an adapter that breaks their rule."""
     with torch.random.fork_rng(devices=[]), pytest.raises(AssertionError):
-        check(_BrokenCpu(), None, _expected("cpu"))
+        check(_BrokenCpu(), None, expected("cpu"))
 
 
 # ----------------------------------------------------------------------------- vendor specifics
@@ -457,7 +238,8 @@ def test_fakes_leave_nothing_behind() -> None:
             assert torch.xpu is had_xpu
         else:
             assert not hasattr(torch, name), name
-    assert not any(m.split(".")[0] in ("torch_npu", "torch_mlu", "torch_musa", "habana_frameworks") for m in sys.modules)
+    vendors = ("torch_npu", "torch_mlu", "torch_musa", "habana_frameworks")
+    assert not any(m.split(".")[0] in vendors for m in sys.modules)
 
 
 # ----------------------------------------------------------------------------- the generic adapter
@@ -483,7 +265,7 @@ def test_generic_adapter_through_a_device_module(check: Callable[[Accelerator, A
     with fake_torch_xpu.installed() as state, torch.random.fork_rng(devices=[]):
         acc = GenericXpu()
         assert acc._runtime() is False, "this CPU torch's torch.accelerator cannot serve xpu"
-        check(acc, state, _expected("generic-xpu"))
+        check(acc, state, expected("generic-xpu"))
 
 
 def _child_main_testdev() -> None:
@@ -492,7 +274,7 @@ def _child_main_testdev() -> None:
 
     GenericTestdev.load_vendor()
     acc = GenericTestdev()
-    out = _run_checks(acc, None, _expected("generic-testdev"))
+    out = run_checks(acc, None, expected("generic-testdev"))
     try:  # what only a device served by torch.accelerator shows
         assert acc._runtime() and acc._accelerator_memory(), "torch.accelerator does not serve the test device"
         assert type(acc.Stream()) is torch.Stream and type(acc.Event()) is torch.Event

@@ -28,8 +28,8 @@ from helpers.requires import require
 
 require("deepspeed", "pip install 'portspeed[deepspeed]'")
 
-from test_deepspeed import (ADAPTERS, CLEAN, DS_OPS_DIR, EXAMPLE, STEPS, TESTDEV, TIMEOUT,  # noqa: E402
-                            _assert_within, _clean_env, _tail, _train)
+from helpers.ds_runs import (ADAPTERS, CLEAN, DS_OPS_DIR, EXAMPLE, STEPS, TESTDEV, TIMEOUT,  # noqa: E402
+                             assert_within, clean_env, tail, train)
 
 pytestmark = [pytest.mark.deepspeed, pytest.mark.ds_more, pytest.mark.multiproc]
 
@@ -40,7 +40,7 @@ PIPE_STEPS, PIPE_SAVE_AT = 5, 2
 
 def _env(adapter: str, **extra: str) -> dict[str, str]:
     """A rank's environment on ``adapter`` ("cpu" or "testdev")."""
-    return _clean_env(**extra) if adapter == "cpu" else _clean_env(**TESTDEV, **extra)
+    return clean_env(**extra) if adapter == "cpu" else clean_env(**TESTDEV, **extra)
 
 
 def _devices(adapter: str, world: int) -> list[str]:
@@ -56,19 +56,19 @@ FOUR_RANK_RUNS = "3:fp32,3:fp32:offload+adam"
 def four_rank_refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Stock DeepSpeed on 4 CPU ranks, and 1 process through portspeed (CPU)."""
     tmp = tmp_path_factory.mktemp("ds_four")
-    return {"stock": _train(tmp, "s4", 4, "--no-portspeed", "--runs", FOUR_RANK_RUNS,
-                            env=_clean_env(DS_ACCELERATOR="cpu")),
-            "single": _train(tmp, "s1", 1, "--runs", FOUR_RANK_RUNS)}
+    return {"stock": train(tmp, "s4", 4, "--no-portspeed", "--runs", FOUR_RANK_RUNS,
+                           env=clean_env(DS_ACCELERATOR="cpu")),
+            "single": train(tmp, "s1", 1, "--runs", FOUR_RANK_RUNS)}
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
 def test_zero3_on_four_ranks_equals_stock_and_single_process(tmp_path: Path, four_rank_refs: dict[str, Any],
                                                              adapter: str) -> None:
-    """ZeRO-3 (fp32; optimizer offload with CPU Adam) on 4 ranks requested 'nccl': = stock 4 ranks, 1 process within 1e-5.
+    """ZeRO-3 (fp32; optimizer offload, CPU Adam) on 4 ranks requested 'nccl': = stock 4 ranks, 1 process within 1e-5.
 
     On the test device (4 ranks, 4 devices): within 1e-5 of stock DeepSpeed's 4 CPU ranks.
     """
-    ported = _train(tmp_path, "p4", 4, "--runs", FOUR_RANK_RUNS, "--dist-backend", "nccl", env=_env(adapter))
+    ported = train(tmp_path, "p4", 4, "--runs", FOUR_RANK_RUNS, "--dist-backend", "nccl", env=_env(adapter))
     stock, single = four_rank_refs["stock"], four_rank_refs["single"]
     assert ported["world_size"] == 4 and ported["real_backend"] == ("gloo" if adapter == "cpu" else "testccl")
     for key in FOUR_RANK_RUNS.split(","):
@@ -78,9 +78,9 @@ def test_zero3_on_four_ranks_equals_stock_and_single_process(tmp_path: Path, fou
             assert run["losses"] == stock["runs"][key]["losses"], key
         else:
             assert run["optimizer"] == ("DeepSpeedCPUAdam" if "adam" in key else "SGD"), run
-            worst = _assert_within(run["losses"], stock["runs"][key]["losses"], key, "test device vs stock CPU")
+            worst = assert_within(run["losses"], stock["runs"][key]["losses"], key, "test device vs stock CPU")
             print(f"{key} 4 ranks: test device vs stock CPU, worst relative difference {worst:.3g}")
-        _assert_within(run["losses"], single["runs"][key]["losses"], key, "4 ranks vs 1 process")
+        assert_within(run["losses"], single["runs"][key]["losses"], key, "4 ranks vs 1 process")
 
 
 # ---------------------------------------------------------------------- ZeRO-Infinity
@@ -91,9 +91,9 @@ NVME_RUN = "3:fp32:nvme+adam"
 def nvme_refs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Stock DeepSpeed's nvme run on 2 CPU ranks, and the CPU-offload run through portspeed."""
     tmp = tmp_path_factory.mktemp("ds_nvme")
-    return {"stock": _train(tmp, "nvme_stock", 2, "--no-portspeed", "--runs", NVME_RUN, "--nvme-dir",
-                            str(tmp / "nvme_s"), env=_clean_env(DS_ACCELERATOR="cpu")),
-            "cpu_offload": _train(tmp, "cpu_off", 2, "--runs", "3:fp32:offload_param+adam")}
+    return {"stock": train(tmp, "nvme_stock", 2, "--no-portspeed", "--runs", NVME_RUN, "--nvme-dir",
+                           str(tmp / "nvme_s"), env=clean_env(DS_ACCELERATOR="cpu")),
+            "cpu_offload": train(tmp, "cpu_off", 2, "--runs", "3:fp32:offload_param+adam")}
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -105,8 +105,8 @@ def test_zero_infinity_nvme_equals_stock_and_cpu_offload(tmp_path: Path, nvme_re
     buffers, losses within 1e-5 of stock DeepSpeed's nvme run on CPU.
     """
     key = NVME_RUN
-    ported = _train(tmp_path, "nvme", 2, "--runs", key, "--nvme-dir", str(tmp_path / "nvme_p"),
-                    "--dist-backend", "nccl", env=_env(adapter))
+    ported = train(tmp_path, "nvme", 2, "--runs", key, "--nvme-dir", str(tmp_path / "nvme_p"),
+                   "--dist-backend", "nccl", env=_env(adapter))
     run, stock = ported["runs"][key], nvme_refs["stock"]["runs"][key]
     assert run["optimizer"] == "DeepSpeedCPUAdam" and run["partitioned_params"] == 6, run
     assert run["param_devices"] == _devices(adapter, 2), run
@@ -114,10 +114,10 @@ def test_zero_infinity_nvme_equals_stock_and_cpu_offload(tmp_path: Path, nvme_re
         assert run["losses"] == stock["losses"]
     else:
         assert ported["real_backend"] == "testccl"
-        worst = _assert_within(run["losses"], stock["losses"], key, "test device vs stock CPU")
+        worst = assert_within(run["losses"], stock["losses"], key, "test device vs stock CPU")
         print(f"{key}: test device vs stock CPU, worst relative difference {worst:.3g}")
-    _assert_within(run["losses"], nvme_refs["cpu_offload"]["runs"]["3:fp32:offload_param+adam"]["losses"], key,
-                   "nvme vs cpu offload")
+    assert_within(run["losses"], nvme_refs["cpu_offload"]["runs"]["3:fp32:offload_param+adam"]["losses"], key,
+                  "nvme vs cpu offload")
     # DeepSpeed deletes its swap files at teardown; the per-rank swap folders stay
     swap = tmp_path / "nvme_p" / "zero_stage_3"
     missing = [f"{kind}/rank{r}" for kind in ("optimizer", "float32params") for r in (0, 1)
@@ -131,7 +131,7 @@ def test_stock_deepspeed_refuses_fp16_on_cpu(tmp_path: Path) -> None:
     proc = run_python([EXAMPLE, "--no-portspeed", "--runs", "2:fp16", "--steps", "1"], timeout=TIMEOUT,
                       env={"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(DS_OPS_DIR)}, drop=CLEAN)
     assert proc.returncode != 0
-    assert "fp16 is not supported on your device" in proc.stderr, _tail(proc.stderr)
+    assert "fp16 is not supported on your device" in proc.stderr, tail(proc.stderr)
 
 
 # ---------------------------------------------------------------------- the pipeline engine
@@ -142,10 +142,10 @@ def _pipe(tmp: Path, name: str, world: int, *args: str, stock: bool = False, ada
     argv = [PIPELINE, "--steps", str(PIPE_STEPS), "--out", str(out), *args]
     if stock:
         argv.append("--no-portspeed")
-    env = _clean_env(DS_ACCELERATOR="cpu") if stock else _env(adapter)
+    env = clean_env(DS_ACCELERATOR="cpu") if stock else _env(adapter)
     results = run_ranks(argv, world, timeout=TIMEOUT, env=env)
     if any(r.returncode != 0 for r in results) or not out.exists():
-        pytest.fail(f"{name} failed\n" + "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{_tail(r.stderr)}"
+        pytest.fail(f"{name} failed\n" + "\n".join(f"--- rank {r.rank} rc={r.returncode}\n{tail(r.stderr)}"
                                                    for r in results))
     return json.loads(out.read_text())
 
@@ -211,10 +211,10 @@ def test_pipeline_two_stages_equal_one_stage_and_stock(pipes: dict[str, Any], ad
     if adapter == "cpu":
         assert two["losses"] == pipes["two_stock"]["losses"]
     else:
-        worst = _assert_within(two["losses"], pipes["two_stock"]["losses"], "pipe:fp32",
-                               "test device vs stock CPU", steps=PIPE_STEPS)
+        worst = assert_within(two["losses"], pipes["two_stock"]["losses"], "pipe:fp32",
+                              "test device vs stock CPU", steps=PIPE_STEPS)
         print(f"pipeline 2 stages: test device vs stock CPU, worst relative difference {worst:.3g}")
-    _assert_within(two["losses"], one["losses"], "pipe:fp32", "2 stages vs 1 stage", steps=PIPE_STEPS)
+    assert_within(two["losses"], one["losses"], "pipe:fp32", "2 stages vs 1 stage", steps=PIPE_STEPS)
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -227,10 +227,10 @@ def test_pipeline_two_stages_by_two_replicas_on_four_ranks(pipes: dict[str, Any]
     grid = _pipes_on(adapter, pipes, request)["grid"]
     assert grid["world_size"] == 4 and grid["data_parallel"] == 2
     _check_placement(grid, adapter)
-    _assert_within(grid["losses"], pipes["one_nd"]["losses"], "pipe:fp32", "2x2 vs 1 stage", steps=PIPE_STEPS)
+    assert_within(grid["losses"], pipes["one_nd"]["losses"], "pipe:fp32", "2x2 vs 1 stage", steps=PIPE_STEPS)
     if adapter != "cpu":
-        worst = _assert_within(grid["losses"], pipes["grid"]["losses"], "pipe:fp32", "test device vs CPU 2x2",
-                               steps=PIPE_STEPS)
+        worst = assert_within(grid["losses"], pipes["grid"]["losses"], "pipe:fp32", "test device vs CPU 2x2",
+                              steps=PIPE_STEPS)
         print(f"pipeline 2x2: test device vs CPU, worst relative difference {worst:.3g}")
 
 
@@ -247,8 +247,8 @@ def test_pipeline_checkpoint_resumes_identically(pipes: dict[str, Any], adapter:
     _check_placement(on["resumed"], adapter)
     assert on["resumed"]["losses"] == on["two_nd"]["losses"][PIPE_SAVE_AT:]
     if adapter != "cpu":
-        worst = _assert_within(on["two_nd"]["losses"], pipes["two_nd"]["losses"], "pipe:fp32",
-                               "test device vs CPU, no dropout", steps=PIPE_STEPS)
+        worst = assert_within(on["two_nd"]["losses"], pipes["two_nd"]["losses"], "pipe:fp32",
+                              "test device vs CPU, no dropout", steps=PIPE_STEPS)
         print(f"pipeline 2 stages without dropout: test device vs CPU, worst relative difference {worst:.3g}")
 
 
@@ -263,12 +263,12 @@ def test_activation_checkpointing_with_partitioned_activations(pipes: dict[str, 
     ckpt = _pipes_on(adapter, pipes, request)["ckpt"]
     assert ckpt["partition_activations"] is True and ckpt["model_parallel"] == 2
     _check_placement(ckpt, adapter)
-    _assert_within(ckpt["losses"], pipes["one"]["losses"], "pipe:fp32", "checkpointed vs not", steps=PIPE_STEPS)
+    assert_within(ckpt["losses"], pipes["one"]["losses"], "pipe:fp32", "checkpointed vs not", steps=PIPE_STEPS)
     if adapter == "cpu":
         assert ckpt["losses"] == pipes["ckpt_stock"]["losses"]
     else:
-        worst = _assert_within(ckpt["losses"], pipes["ckpt_stock"]["losses"], "pipe:fp32", "test device vs stock CPU",
-                               steps=PIPE_STEPS)
+        worst = assert_within(ckpt["losses"], pipes["ckpt_stock"]["losses"], "pipe:fp32", "test device vs stock CPU",
+                              steps=PIPE_STEPS)
         print(f"activation checkpointing: test device vs stock CPU, worst relative difference {worst:.3g}")
 
 
@@ -294,9 +294,9 @@ def test_deepspeed_launcher_with_portspeed_worker(tmp_path: Path, adapter: str) 
            "--dist-backend", "nccl", "--out", str(out)]
     # its own session, so a timeout ends the launcher's children too (the launcher, the ranks), not just the runner
     res = run_command(cmd, TIMEOUT, env, cwd=ROOT)
-    assert res.returncode == 0 and out.exists(), f"deepspeed launcher failed:\n{_tail(res.stdout + res.stderr)}"
+    assert res.returncode == 0 and out.exists(), f"deepspeed launcher failed:\n{tail(res.stdout + res.stderr)}"
     rec = json.loads(out.read_text())
-    ref = _train(tmp_path, "torchrun_ref", 2, "--runs", keys, "--dist-backend", "nccl")
+    ref = train(tmp_path, "torchrun_ref", 2, "--runs", keys, "--dist-backend", "nccl")
     assert rec["world_size"] == 2
     assert rec["ds_accelerator"] == ("PortspeedCpuAccelerator" if adapter == "cpu" else "PortspeedAccelerator")
     assert rec["real_backend"] == ("gloo" if adapter == "cpu" else "testccl")
@@ -305,6 +305,6 @@ def test_deepspeed_launcher_with_portspeed_worker(tmp_path: Path, adapter: str) 
         if adapter == "cpu":
             assert rec["runs"][key]["losses"] == ref["runs"][key]["losses"], key
         else:
-            worst = _assert_within(rec["runs"][key]["losses"], ref["runs"][key]["losses"], key,
-                                   "launcher on the test device vs CPU torchrun")
+            worst = assert_within(rec["runs"][key]["losses"], ref["runs"][key]["losses"], key,
+                                  "launcher on the test device vs CPU torchrun")
             print(f"{key} deepspeed launcher: test device vs CPU torchrun, worst relative difference {worst:.3g}")

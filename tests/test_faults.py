@@ -1,4 +1,4 @@
-"""Checkpoints and faults of the example trainer under `portspeed run`: layouts change, a save crashes, a rank dies, two nodes.
+"""Checkpoints and faults of the example trainer under `portspeed run`: layouts, a crashed save, a dead rank, two nodes.
 
 Each is a real multi-process run on 127.0.0.1 (Megatron-Core, Gloo), compared with an
 uninterrupted run of the same layout from the same initial checkpoint:
@@ -131,7 +131,7 @@ def test_restart_after_a_dead_rank_resumes_and_names_it(init: str, tp2: dict, tm
 
 
 def test_two_nodes_equal_one_node(init: str, tmp_path: Path) -> None:
-    """Two agents, --nnodes 2 --node-rank 0/1, static rendezvous on 127.0.0.1: TP2 per node, DP2 across = 4 ranks on one node."""
+    """Two agents, --nnodes 2 --node-rank 0/1, static rendezvous on 127.0.0.1: TP2 per node, DP2 across (4 ranks)."""
     port = free_port()
     args = [SCRIPT, *MODEL, "--tp", "2", "--iters", "5", "--load", init, "--finetune"]
     procs = []

@@ -1,4 +1,4 @@
-"""Megatron-Core text generation (examples/generate_gpt.py): TP2 and PP2 give TP1's tokens, on CPU and on the test device.
+"""Megatron-Core text generation (examples/generate_gpt.py): TP2 and PP2 give TP1's tokens, on CPU and the test device.
 
 One CPU TP1 run of examples/pretrain_gpt.py trains 3 iterations and saves; every generation
 run loads that checkpoint and decodes the same 4 prompts with Megatron-Core's static
@@ -58,7 +58,8 @@ def cpu_pp1(trained_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> dict
     greedy = ref["greedy"]
     assert all(len(r["generated_tokens"]) == TOKENS for r in greedy), [r["generated_tokens"] for r in greedy]
     distinct = {t for r in greedy for t in r["generated_tokens"]}
-    assert len(distinct) > 3, f"greedy reference is degenerate (tokens {sorted(distinct)}): train longer or change prompts"
+    assert len(distinct) > 3, (
+        f"greedy reference is degenerate (tokens {sorted(distinct)}): train longer or change prompts")
     margins = [m for r in greedy for m in r["top1_top2_margin"]]
     print(f"reference greedy tokens: {[r['generated_tokens'] for r in greedy]}; "
           f"smallest top-1/top-2 log-prob margin {min(margins):.3g}")

@@ -167,7 +167,7 @@ def test_gate_not_installed() -> None:
 
 
 def test_gate_version_out_of_range() -> None:
-    """A patch written for other versions of an installed distribution is inactive (a declared decision, not drift), naming both."""
+    """A patch for other versions of an installed distribution is inactive (declared, not drift), naming both."""
     torch_v = distribution_version("torch")
     state, why = info.evaluate_gate(_patch(distribution="torch", versions="<1.0"), config.Settings(), get_accelerator())
     assert state == "inactive" and str(torch_v) in why and "<1.0" in why

@@ -42,7 +42,8 @@ PROBE = textwrap.dedent(
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
         if "--spawn" in sys.argv and rank == 0:
-            child = multiprocessing.get_context("spawn").Process(target=spawned, args=(os.path.join(out, "child.json"),))
+            child = multiprocessing.get_context("spawn").Process(target=spawned,
+                                                                 args=(os.path.join(out, "child.json"),))
             child.start()
             child.join(120)
         if "--fail-on-rank1" in sys.argv and rank == 1:

@@ -14,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: source directory -> the package it installs as
-SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches", ROOT / "adapters": "portspeed.adapters"}
+SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches",
+           ROOT / "adapters": "portspeed.adapters"}
 
 #: layer -> module prefixes (longest prefix wins)
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -22,7 +23,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "portspeed.lazy", "portspeed.teardown"),
     "patching": ("portspeed.patching",),
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
-    "comm": ("portspeed.comm", "portspeed.router"),
+    "comm": ("portspeed.comm",),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
                 "portspeed.probe", "portspeed.perf"),
     "parity": ("portspeed.parity",),
@@ -108,7 +109,7 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_run_one_way() -> None:
-    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity beside, on the foundation."""
+    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity: foundation."""
     modules = _modules()
     known = set(modules)
     violations = []
@@ -195,7 +196,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_subpackages_import_without_cycles() -> None:
-    """No two of portspeed's sub-packages import each other, directly or round a longer loop (deferred imports count)."""
+    """No two of portspeed's sub-packages import each other, directly or round a longer loop (deferred imports too)."""
     cycle = _cycle(_subpackage_graph())
     assert cycle is None, "sub-packages import each other: " + " -> ".join(cycle)
 
@@ -230,16 +231,3 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
     """The cycle check can fail: a two-package loop (accelerator <-> comm, as before the vocabulary moved) is found."""
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert _cycle({"a": {"b"}, "b": {"c"}}) is None
-
-
-def test_moved_capabilities_module_is_one_module() -> None:
-    """``portspeed.comm.capabilities`` (the old name) is the very module ``portspeed.accelerator.capabilities``."""
-    import warnings
-
-    import portspeed.accelerator.capabilities as new
-    from portspeed.comm import BackendGaps
-
-    with warnings.catch_warnings():  # deprecated (tests/test_vendor.py checks the warning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import portspeed.comm.capabilities as old
-    assert old is new and BackendGaps is new.BackendGaps

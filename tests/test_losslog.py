@@ -14,6 +14,7 @@ from portspeed.parity.losslog import (
     LossRecord,
     LossRecordWriter,
     normalize_dtype,
+    open_loss_log,
     parse_megatron_log,
     read_record,
     record_from_json,
@@ -55,7 +56,7 @@ def test_timing_fields_are_not_kept():
 
 
 def test_bf16_nan_iterations_are_nan_not_skipped():
-    """bf16 with a NaN loss: Megatron prints no 'lm loss' (nan > 0 is false) and 'grad norm: nan'; that is NaN, not a skip."""
+    """bf16, a NaN loss: Megatron prints no 'lm loss' (nan > 0 is false), 'grad norm: nan'; that is NaN, not a skip."""
     rec = read_record(DATA / "megatron_bf16_nan.log")
     by = rec.by_iteration()
     for n in range(1, 15):
@@ -247,3 +248,22 @@ def test_real_stock_megatron_cpu_log():
     assert {it.iteration: it.lm_loss for it in rec.iterations} == printed
     assert rec.meta["train_iters"] == 10
     assert all(it.grad_norm is not None and not it.skipped for it in rec.iterations)
+
+
+def test_open_loss_log_names_what_the_script_says_ran(tmp_path: Path) -> None:
+    """open_loss_log writes the layout, the backend and adapter the script names, and this process's versions."""
+    w = open_loss_log(str(tmp_path / "rec.json"), {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, "fp32",
+                      backend="gloo", accelerator="cpu")
+    assert w is not None
+    w.add(1, 4.5, 1.25)
+    rec = json.loads((tmp_path / "rec.json").read_text())
+    assert rec["meta"]["layout"] == {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, rec
+    assert rec["meta"]["backend"] == "gloo" and rec["meta"]["accelerator"] == "cpu"
+    assert rec["meta"]["versions"]["megatron-core"] and rec["meta"]["versions"]["torch"]
+    assert rec["iterations"][0]["lm_loss"] == 4.5 and rec["iterations"][0]["grad_norm"] == 1.25
+
+
+def test_open_loss_log_without_a_path_writes_nothing(portspeed_env) -> None:
+    """No path and no PORTSPEED_LOSS_LOG: no writer."""
+    portspeed_env()
+    assert open_loss_log(None, {"tp": 1}, "fp32", backend="gloo", accelerator="cpu") is None

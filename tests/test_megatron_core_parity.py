@@ -228,7 +228,7 @@ def test_testdev_bf16_tp2_matches_cpu_bf16_tp1(init_ckpt: str) -> None:
 @pytest.mark.parametrize("first,second", [("testdev", "cpu"), ("cpu", "testdev")])
 def test_checkpoint_moves_between_cpu_and_testdev(first: str, second: str, init_ckpt: str, tp1: dict,
                                                   tmp_path) -> None:
-    """Saved on one device, resumed on the other (model + optimizer): iterations 6..10 equal the uninterrupted CPU run within 1e-6."""
+    """Saved on one device, resumed on the other (model + optimizer): iterations 6..10 = the whole CPU run (1e-6)."""
     env = {"cpu": None, "testdev": TESTDEV}
     mid = str(tmp_path / "mid")
     head = _run(1, ["--save", mid], init=init_ckpt, iters=5, env=env[first])

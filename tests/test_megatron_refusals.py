@@ -47,7 +47,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                   "hybridep"], "--moe-token-dispatcher-type flex (--moe-flex-dispatcher-backend hybridep)"),
     "tp_comm_overlap": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--tp-comm-overlap"],
                         "--tp-comm-overlap"),
-    "local_grouped_gemm": (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm with --transformer-impl local"),
+    "local_grouped_gemm": (["--num-experts", "4", "--moe-grouped-gemm"],
+                           "--moe-grouped-gemm with --transformer-impl local"),
     "log_straggler": (["--log-straggler"], "--log-straggler"),
 }
 
@@ -139,8 +140,9 @@ def _validate(cases: dict[str, list[str]], **env: str) -> dict:
     if child_env is None:
         pytest.skip(why)
     res = run_snippet(VALIDATE, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu", "WORLD_SIZE": "2", "RANK": "0",
-                                                  "VALIDATE_BASE": json.dumps(BASE), "VALIDATE_CASES": json.dumps(cases),
-                                                  **child_env, **env}, drop=("PORTSPEED_*",))
+                                                  "VALIDATE_BASE": json.dumps(BASE),
+                                                  "VALIDATE_CASES": json.dumps(cases), **child_env, **env},
+                      drop=("PORTSPEED_*",))
     return res.check().last_json()
 
 

@@ -100,7 +100,8 @@ def test_import_targets_applies_pending_patches(mgr: PatchManager, capsys: pytes
     assert sys.modules["ps_report_target"].greet("x") == "HELLO X"  # the listing reflects what happened
 
 
-def test_absent_target_module_is_not_a_failure(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_absent_target_module_is_not_a_failure(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     """A pending target whose package is not installed stays pending and is reported as absent."""
     fresh = PatchManager()
     monkeypatch.setattr(portspeed, "_manager", fresh)

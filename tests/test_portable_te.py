@@ -4,22 +4,17 @@ In process (TP = 1): Linear / LayerNormLinear forward and backward equal ``F.lin
 ``F.layer_norm`` / RMS), zero-centred gamma, the weight gradient fused into ``main_grad``,
 DotProductAttention (causal, padding, GQA, both layouts) equal to an explicit softmax
 attention, the RNG tracker's forks, ``checkpoint`` recomputing with the same dropout mask, the
-``_extra_state`` round trip, and every refusal naming its flag. Two ranks (Gloo, torchrun):
-column- and row-parallel layers with and without sequence parallelism equal the
-single-process layer built from the same full weights, forward and input/weight gradients.
+``_extra_state`` round trip, and every refusal naming its flag. Two ranks: test_portable_te_ranks.py;
+inside megatron-core: test_portable_te_megatron.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launch import torchrun
 
 from portspeed.errors import UnsupportedOptionError
 from portspeed.portable_te import attention, grouped, linear, namespace, norms, rng
@@ -238,7 +233,8 @@ def test_attention_equals_explicit_softmax(fmt: str, mask_type: str) -> None:
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_equals_complex_rotation(fmt: str, interleaved: bool) -> None:
-    """RoPE as complex multiplication: channel pairs (i, i + r/2), or (2i, 2i + 1) interleaved, turned by e^(j theta)."""
+    """RoPE as complex multiplication: channel pairs (i, i + r/2), or (2i, 2i + 1) interleaved, turned by e^(j theta).
+    """
     from portspeed.portable_te import rope
 
     torch.manual_seed(5)
@@ -330,128 +326,6 @@ def test_attention_loads_without_its_extra_state_as_transformer_engine() -> None
     assert len(seen) == 1
 
 
-MEGATRON_TE_SPEC_ROUND_TRIP = """
-import json, sys
-sys.argv = ["te_spec_round_trip"]                     # no --transformer-impl: Megatron's default, the TE path
-import portspeed.megatron_adaptor
-import torch, torch.distributed as dist
-dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{PORT}")
-from megatron.core import dist_checkpointing, parallel_state as ps
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-from megatron.core.models.gpt.gpt_model import GPTModel
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
-ps.initialize_model_parallel(1, 1)
-
-def build(seed):
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-    cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(), vocab_size=32,
-                    max_sequence_length=8)
-
-src = build(1)
-attn = src.decoder.layers[0].self_attention.core_attention
-out = {"attention": [c.__module__ + "." + c.__name__ for c in type(attn).__mro__[:2]]}
-sharded = src.sharded_state_dict()
-out["sharded_extra"] = sorted(k for k in sharded if k.endswith("_extra_state"))
-out["state_dict_extra"] = sorted(k for k in src.state_dict() if k.endswith("_extra_state"))
-dist_checkpointing.save(sharded, CKPT)
-dst = build(2)
-before = max((a - b).abs().max().item() for a, b in zip(src.parameters(), dst.parameters()))
-loaded = dist_checkpointing.load(dst.sharded_state_dict(), CKPT)
-result = dst.load_state_dict(loaded)                  # strict, as Megatron's checkpointing loads
-out["missing"], out["unexpected"] = result.missing_keys, result.unexpected_keys
-out["diff_before"] = before
-out["diff_after"] = max((a - b).abs().max().item() for a, b in zip(src.parameters(), dst.parameters()))
-dist.destroy_process_group()
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.megatron
-def test_megatron_te_spec_gpt_dist_checkpoint_round_trip(tmp_path: Path) -> None:
-    """A TE-spec GPT (portable TE) saved and loaded through Megatron's dist_checkpointing, loaded strictly.
-
-    This is what 22 tests of Megatron's ``dist_checkpointing/models/test_gpt_model.py`` do; before the fix
-    every one failed with "Missing key(s) in state_dict: decoder.layers.N.self_attention.core_attention._extra_state".
-    """
-    from helpers.launch import child_json, free_port
-    from helpers.requires import require
-
-    require("megatron.core", "pip install -e '.[megatron]'")
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    code = f"PORT = {free_port()}\nCKPT = {str(ckpt)!r}\n" + MEGATRON_TE_SPEC_ROUND_TRIP
-    out = child_json(code, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    assert out["attention"] == ["megatron.core.extensions.transformer_engine.TEDotProductAttention",
-                                "portspeed.portable_te.attention.DotProductAttention"], out["attention"]
-    layers = ("decoder.layers.0.", "decoder.layers.1.")
-    attn = {p + "self_attention.core_attention._extra_state" for p in layers}
-    linears = {p + m + "._extra_state" for p in layers
-               for m in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")}
-    # (others vary by release: Megatron's output layer's, megatron-core 0.19's TE final layer norm's)
-    assert attn | linears <= set(out["state_dict_extra"]), out["state_dict_extra"]
-    assert linears <= set(out["sharded_extra"]), out["sharded_extra"]
-    assert not attn & set(out["sharded_extra"]), "Megatron's sharded state dict leaves the attention's extra state out"
-    assert out["missing"] == [] and out["unexpected"] == []
-    assert out["diff_before"] > 0 and out["diff_after"] == 0
-
-
-MEGATRON_ROPE_FUSION = """
-import json, sys
-sys.argv = ["rope_fusion"]                            # no --transformer-impl: Megatron's default, the TE path
-import portspeed.megatron_adaptor
-import torch, torch.distributed as dist
-dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{PORT}")
-from megatron.core import parallel_state as ps
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.transformer_config import TransformerConfig
-ps.initialize_model_parallel(1, 1)
-out = {}
-for interleaved in (False, True):
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                            init_method_std=1.0, attention_dropout=0.0, rotary_interleaved=interleaved)
-    cfg.apply_rope_fusion = True                      # after construction, as Megatron's test_attention.py does
-    attn = SelfAttention(cfg, get_gpt_layer_with_transformer_engine_spec().submodules.self_attention.submodules,
-                         layer_number=1)
-    freqs = RotaryEmbedding(cfg.kv_channels, 0.5, rotary_interleaved=interleaved, use_cpu_initialization=True)(16)
-    x = torch.randn(16, 2, 32)
-    fused, _ = attn(x, None, rotary_pos_emb=freqs)
-    cfg.apply_rope_fusion = False                     # Megatron's own unfused RoPE
-    plain, _ = attn(x, None, rotary_pos_emb=freqs)
-    none, _ = attn(x, None)
-    out[str(interleaved)] = {"diff": (fused - plain).abs().max().item(), "vs_no_rope": (fused - none).abs().max().item()}
-dist.destroy_process_group()
-print(json.dumps(out))
-"""
-
-
-@pytest.mark.megatron
-def test_megatron_rope_fusion_equals_megatrons_unfused_rope() -> None:
-    """``config.apply_rope_fusion`` on the TE path: Megatron's SelfAttention with the served fused RoPE equals the
-    same attention with Megatron's own unfused RoPE (half the head dimension rotated, plain and interleaved).
-
-    The field is set after the config is built, as Megatron's ``transformer/test_attention.py`` does (portspeed's
-    kernel-fallback patch turns it off inside ``TransformerConfig.__post_init__``). Without the served RoPE the
-    attention asserts "apply_rope_fusion is not available."
-    """
-    from helpers.launch import child_json, free_port
-    from helpers.requires import require
-
-    require("megatron.core", "pip install -e '.[megatron]'")
-    out = child_json(f"PORT = {free_port()}\n" + MEGATRON_ROPE_FUSION, timeout=300,
-                     env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    for interleaved, d in out.items():
-        assert d["diff"] <= 1e-6, (interleaved, d)
-        assert d["vs_no_rope"] > 1e-3, (interleaved, d)   # the rotation did something
-
-
 @pytest.mark.parametrize("build, flag", [
     (lambda: linear.Linear(8, 8, ub_overlap_ag=True), "--tp-comm-overlap"),
     (lambda: linear.Linear(8, 8, delay_wgrad_compute=True), "--delay-wgrad-compute"),
@@ -472,145 +346,6 @@ def test_refusals_name_the_flag(build, flag: str) -> None:
     assert "--transformer-impl local" in str(info.value)
 
 
-TP2_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import torch, torch.distributed as dist, torch.nn.functional as F
-    from portspeed.portable_te import linear
-    dist.init_process_group("gloo")
-    rank, out = dist.get_rank(), {}
-    g = dist.new_group([0, 1])
-    torch.manual_seed(0)
-    W1, B1 = torch.randn(8, 6), torch.randn(8)         # column: out 8 -> 4 per rank
-    W2, B2 = torch.randn(6, 8), torch.randn(6)         # row: in 8 -> 4 per rank
-    X = torch.randn(4, 2, 6)                            # [s, b, h]
-    G = torch.randn(4, 2, 6)
-    def ref():
-        x = X.clone().requires_grad_()
-        w1, b1, w2 = (t.clone().requires_grad_() for t in (W1, B1, W2))
-        y = F.linear(F.linear(F.layer_norm(x, (6,)), w1, b1), w2) + B2
-        y.backward(G)
-        return y, x.grad, w1.grad, w2.grad
-    ry, rgx, rgw1, rgw2 = ref()
-    for sp in (False, True):
-        col = linear.LayerNormLinear(6, 8, parallel_mode="column", tp_group=g, sequence_parallel=sp, device="cpu")
-        row = linear.Linear(8, 6, parallel_mode="row", tp_group=g, sequence_parallel=sp, device="cpu")
-        with torch.no_grad():
-            col.weight.copy_(W1.chunk(2, 0)[rank]); col.bias.copy_(B1.chunk(2, 0)[rank])
-            row.weight.copy_(W2.chunk(2, 1)[rank]); row.bias.copy_(B2)
-        x = (X.chunk(2, 0)[rank] if sp else X).clone().requires_grad_()
-        y = row(col(x))
-        y.backward(G.chunk(2, 0)[rank] if sp else G)
-        want_y = ry.chunk(2, 0)[rank] if sp else ry
-        want_gx = rgx.chunk(2, 0)[rank] if sp else rgx
-        out[f"sp{int(sp)}"] = {
-            "y": (y - want_y).abs().max().item(),
-            "gx": (x.grad - want_gx).abs().max().item(),
-            "gw1": (col.weight.grad - rgw1.chunk(2, 0)[rank]).abs().max().item(),
-            "gw2": (row.weight.grad - rgw2.chunk(2, 1)[rank]).abs().max().item(),
-            "tp_attr": [col.weight.tensor_model_parallel, col.weight.partition_dim, row.weight.partition_dim],
-        }
-    print("RESULT " + json.dumps(out), flush=True)
-    dist.destroy_process_group()
-    """
-)
-
-
-def _two_rank_results(script: Path, code: str) -> list[dict]:
-    """Run ``code`` on two Gloo ranks (torchrun) and return the JSON each printed after ``RESULT ``."""
-    script.write_text(code)
-    res = torchrun(str(script), 2, timeout=240, env={"PORTSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    # the two ranks share one stdout: a line may carry both results (print writes the text and the newline
-    # apart), so every "RESULT " marker is decoded where it stands
-    decoder = json.JSONDecoder()
-    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
-    assert len(rows) == 2, res.stdout[-2000:]
-    return rows
-
-
-@pytest.mark.multiproc
-def test_two_rank_column_and_row_parallel_equal_single_process(tmp_path: Path) -> None:
-    rows = _two_rank_results(tmp_path / "tp2.py", TP2_SCRIPT)
-    for row in rows:
-        for sp, d in row.items():
-            assert d["tp_attr"] == [True, 0, 1], d
-            for key in ("y", "gx", "gw1", "gw2"):
-                assert d[key] <= 1e-5, f"{sp} {key}: {d[key]}"
-
-
-CP2_SCRIPT = textwrap.dedent(
-    """
-    import json
-    import torch, torch.distributed as dist
-    from portspeed.portable_te import attention
-    dist.init_process_group("gloo")
-    rank, cp, out = dist.get_rank(), 2, {}
-    group = dist.new_group([0, 1])
-    torch.manual_seed(0)
-    S, B, NP, NG, D = 8, 2, 4, 2, 8
-    Q, K, V = torch.randn(S, B, NP, D), torch.randn(S, B, NG, D), torch.randn(S, B, NG, D)
-    G = torch.randn(S, B, NP * D)
-    c = S // (2 * cp)
-    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
-    for fmt in ("sbhd", "bshd"):
-        for mask in ("causal", "no_mask"):
-            full = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask)
-            part = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask,
-                                                 cp_group=group, cp_global_ranks=[0, 1], cp_comm_type="p2p")
-            lay = (lambda t: t) if fmt == "sbhd" else (lambda t: t.transpose(0, 1).contiguous())
-            q, k, v = (lay(t).clone().requires_grad_() for t in (Q, K, V))
-            y = full(q, k, v)
-            y.backward(lay(G))
-            ql, kl, vl = (lay(t[mine]).clone().requires_grad_() for t in (Q, K, V))
-            yl = part(ql, kl, vl)
-            yl.backward(lay(G[mine]))
-            pick = (lambda t: t[mine]) if fmt == "sbhd" else (lambda t: t[:, mine])
-            out[fmt + "-" + mask] = {
-                "y": (yl - pick(y)).abs().max().item(), "gq": (ql.grad - pick(q.grad)).abs().max().item(),
-                "gk": (kl.grad - pick(k.grad)).abs().max().item(), "gv": (vl.grad - pick(v.grad)).abs().max().item()}
-    # packed sequences (thd) of 8 and 4 tokens: each CP rank holds its two chunks of each sequence
-    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
-    Qp, Kp, Vp, Gp = torch.randn(12, NP, D), torch.randn(12, NG, D), torch.randn(12, NG, D), torch.randn(12, NP * D)
-    local = []
-    for a, b in ((0, 8), (8, 12)):
-        c2 = (b - a) // (2 * cp)
-        local += list(range(a + rank * c2, a + (rank + 1) * c2)) + list(range(b - (rank + 1) * c2, b - rank * c2))
-    local = torch.tensor(local)
-    full = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format="thd", attn_mask_type="padding_causal")
-    part = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format="thd", attn_mask_type="padding_causal",
-                                         cp_group=group, cp_global_ranks=[0, 1])
-    q, k, v = (t.clone().requires_grad_() for t in (Qp, Kp, Vp))
-    y = full(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    y.backward(Gp)
-    ql, kl, vl = (t[local].clone().requires_grad_() for t in (Qp, Kp, Vp))
-    yl = part(ql, kl, vl, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu)
-    yl.backward(Gp[local])
-    out["thd-padding_causal"] = {"y": (yl - y[local]).abs().max().item(),
-                                 "gq": (ql.grad - q.grad[local]).abs().max().item(),
-                                 "gk": (kl.grad - k.grad[local]).abs().max().item(),
-                                 "gv": (vl.grad - v.grad[local]).abs().max().item()}
-    print("RESULT " + json.dumps({"rank": rank, **out}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    """
-)
-
-
-def test_two_rank_context_parallel_attention_equals_single_process(tmp_path: Path) -> None:
-    """Context parallelism (CP2, Megatron's two-chunks-per-rank split): each rank's output and its q/k/v gradients
-    equal the single-process attention over the whole sequence at that rank's positions (causal and no mask,
-    GQA, both layouts); the key/value gradients come back to their owners through the reduce-scatter."""
-    rows = _two_rank_results(tmp_path / "cp2.py", CP2_SCRIPT)
-    assert sorted(r["rank"] for r in rows) == [0, 1], rows
-    for row in rows:
-        for case, d in row.items():
-            if case == "rank":
-                continue
-            for key in ("y", "gq", "gk", "gv"):
-                assert d[key] <= 1e-5, f"rank {row['rank']} {case} {key}: {d[key]}"
-
-
 def test_context_parallel_refusals_name_what_avoids_them() -> None:
     with pytest.raises(UnsupportedOptionError, match="--cp-comm-type"):
         attention.DotProductAttention(4, 8, cp_group=[None, None], cp_comm_type="a2a+p2p")
@@ -619,7 +354,8 @@ def test_context_parallel_refusals_name_what_avoids_them() -> None:
 
 
 @pytest.mark.parametrize("field, flag", [("fp8", "--fp8-format"), ("fp4", "--fp4-format"),
-                                         ("cpu_offloading", "--cpu-offloading"), ("tp_comm_overlap", "--tp-comm-overlap")])
+                                         ("cpu_offloading", "--cpu-offloading"),
+                                         ("tp_comm_overlap", "--tp-comm-overlap")])
 def test_megatron_config_options_applied_outside_the_layers_are_refused(field: str, flag: str) -> None:
     """Megatron's TE wrappers set self.config before TE's __init__; fp8 etc. there are refused, not ignored."""
     import types

@@ -42,7 +42,7 @@ require("megatron.core", "pip install 'portspeed[megatron]'")
 
 from helpers.launch import REPO, Result, free_port, run_python  # noqa: E402
 from test_megatron_core_parity import _run  # noqa: E402
-from test_probe_compare import probe  # noqa: E402
+from helpers.probe_runs import probe  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.megatron]
 

@@ -76,7 +76,8 @@ def test_spec_reference_can_be_named(tmp_path):
 def test_failed_run_is_exit_2_with_log_tail(tmp_path):
     """A run exiting non-zero stops the comparison with exit 2, naming the run and showing its last lines."""
     spec = {"runs": [{"name": "good", "command": cat(TP1)},
-                     {"name": "bad", "command": ["{python}", "-c", "import sys; print('boom at step 3'); sys.exit(3)"]}]}
+                     {"name": "bad",
+                      "command": ["{python}", "-c", "import sys; print('boom at step 3'); sys.exit(3)"]}]}
     code, _, err = run_cli(write_spec(tmp_path, spec), "--workdir", str(tmp_path / "w"))
     assert code == 2
     assert "run bad: exited with status 3" in err and "boom at step 3" in err

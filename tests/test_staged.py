@@ -1,4 +1,4 @@
-"""The staged backend (portspeed.comm.staged) and the start check of a job's CCL (portspeed.comm.ccl_check), on the host.
+"""The staged backend (portspeed.comm.staged) and the start check of a job's CCL (portspeed.comm.ccl_check), on CPU.
 
 The staged backend in both modes is proven by the collectives suite on one adapter (two ranks, host tensors): a CPU
 adapter on the stand-in CCL whose broadcast and all_gather are staged, so every collective the suite makes runs

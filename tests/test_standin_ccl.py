@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+from typing import Callable
 
 import pytest
 
@@ -21,25 +22,35 @@ from portspeed.accelerator import ENTRY_POINT_GROUP, available_adapters
 
 # ---------------------------------------------------------------------- rank side
 def _main() -> int:
-    import torch
     import torch.distributed as dist
 
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=60)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0, timeout=timeout)
     dist.init_process_group("standin", store=dist.PrefixStore("s", store), rank=rank, world_size=n, timeout=timeout)
-    gloo = dist.new_group(list(range(n)), backend="gloo")
     results: list[dict] = []
 
     def check(name: str, ok: bool, detail: str = "") -> None:
         results.append({"check": name, "ok": bool(ok), "detail": "" if ok else detail})
 
-    R = dist.ReduceOp
     pg = dist.group.WORLD
     check("default group is the Python StandinProcessGroup", isinstance(pg, standin.StandinProcessGroup), repr(pg))
     check("get_backend() is 'standin'", dist.get_backend() == "standin", dist.get_backend())
+    _values(check, rank, n)
+    _declared_gaps_raise(check, n)
+    _point_to_point(check, rank, n)
+    dist.destroy_process_group()
+    print("RESULTS " + json.dumps({"rank": rank, "results": results}))
+    return 0
 
-    # values: random data, float64 reference, the stand-in's own ring
+
+def _values(check: Callable[..., None], rank: int, n: int) -> None:
+    """Random data against a float64 reference, through the stand-in's own ring; odd sizes; the other collectives."""
+    import torch
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    gloo = dist.new_group(list(range(n)), backend="gloo")
     g = torch.Generator().manual_seed(1234)
     everyone = torch.randn(n, 1000, generator=g, dtype=torch.float64)
     mine = everyone[rank].clone()
@@ -81,7 +92,12 @@ def _main() -> int:
     dist.barrier()
     check("barrier", True)
 
-    # declared gaps raise, like a vendor CCL's
+
+def _declared_gaps_raise(check: Callable[..., None], n: int) -> None:
+    """The declared gaps raise, like a vendor CCL's, and the group works after them."""
+    import torch
+    import torch.distributed as dist
+
     def raises(fn) -> bool:
         try:
             fn()
@@ -89,6 +105,7 @@ def _main() -> int:
             return "standin CCL" in str(exc)
         return False
 
+    R = dist.ReduceOp
     check("AVG raises", raises(lambda: dist.all_reduce(torch.ones(2), op=R.AVG)))
     check("PREMUL_SUM raises", raises(lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))))
     check("bf16 reduce_scatter_tensor raises", raises(
@@ -103,7 +120,12 @@ def _main() -> int:
     dist.all_reduce(x)  # the group still works after the refusals
     check("group usable after refused calls", torch.equal(x, torch.full((2,), float(n))))
 
-    # point to point with user tags, as pipeline stages use it
+
+def _point_to_point(check: Callable[..., None], rank: int, n: int) -> None:
+    """Point to point with user tags, as pipeline stages use it, and batch_isend_irecv around the ring."""
+    import torch
+    import torch.distributed as dist
+
     right, left = (rank + 1) % n, (rank - 1) % n
     got_a, got_b = torch.empty(3), torch.empty(3)
     reqs = [dist.isend(torch.full((3,), 10.0 + rank), right, tag=7),
@@ -118,9 +140,6 @@ def _main() -> int:
                                      dist.P2POp(dist.irecv, got, left)]):
         r.wait()
     check("batch_isend_irecv ring", torch.equal(got, torch.full((3,), float(left))))
-    dist.destroy_process_group()
-    print("RESULTS " + json.dumps({"rank": rank, "results": results}))
-    return 0
 
 
 # ---------------------------------------------------------------------- pytest side

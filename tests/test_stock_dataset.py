@@ -133,7 +133,8 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_the_dataset_is_tokenized_text(dataset: dict) -> None:
-    """The indexed dataset holds the corpus's documents as SentencePiece ids below the vocabulary, each ending in </s>."""
+    """The indexed dataset holds the corpus's documents as SentencePiece ids below the vocabulary, each ending in </s>.
+    """
     spm = require("sentencepiece", "pip install -e '.[stock]'")
     sp = spm.SentencePieceProcessor(model_file=str(dataset["model"]))
     assert sp.get_piece_size() == VOCAB

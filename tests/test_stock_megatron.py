@@ -138,7 +138,8 @@ def fresh_logs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "0")
 
 
-@pytest.mark.skipif(any(importable(m) for m in ("apex", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda")),
+@pytest.mark.skipif(any(importable(m) for m in ("apex", "fused_weight_gradient_mlp_cuda",
+                                                 "scaled_masked_softmax_cuda")),
                     reason="a CUDA kernel module is installed here, so its option would not fall back")
 def test_cuda_kernel_defaults_fall_back_with_one_line_each(fresh_logs: None, caplog: pytest.LogCaptureFixture) -> None:
     """Megatron's default fusions are turned off after validation when their kernels are absent, one log line each."""
@@ -156,12 +157,14 @@ def test_cuda_kernel_defaults_fall_back_with_one_line_each(fresh_logs: None, cap
 
 
 def test_tensor_parallel_gets_one_launch_queue_unless_set_or_fsdp(fresh_logs: None) -> None:
-    """CUDA_DEVICE_MAX_CONNECTIONS=1 is set before Megatron asserts it, only for TP/CP without FSDP, never overriding."""
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 is set before Megatron asserts it, for TP/CP without FSDP only, never overriding.
+    """
     def megatron_check(a: argparse.Namespace, d: dict) -> None:
         if a.tensor_model_parallel_size > 1 and not getattr(a, "use_torch_fsdp2", False):
             assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
 
-    training_arguments.fall_back_to_torch_paths(megatron_check, None, (_megatron_args(tensor_model_parallel_size=2), {}), {})
+    tp2 = (_megatron_args(tensor_model_parallel_size=2), {})
+    training_arguments.fall_back_to_torch_paths(megatron_check, None, tp2, {})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS")
     training_arguments.fall_back_to_torch_paths(
@@ -170,7 +173,8 @@ def test_tensor_parallel_gets_one_launch_queue_unless_set_or_fsdp(fresh_logs: No
     training_arguments.fall_back_to_torch_paths(megatron_check, None, (_megatron_args(), {}), {})
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
-    training_arguments.fall_back_to_torch_paths(lambda a, d: None, None, (_megatron_args(tensor_model_parallel_size=2), {}), {})
+    tp2 = (_megatron_args(tensor_model_parallel_size=2), {})
+    training_arguments.fall_back_to_torch_paths(lambda a, d: None, None, tp2, {})
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
 
 

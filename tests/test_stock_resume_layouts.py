@@ -137,8 +137,9 @@ def test_tp2xpp2_checkpoint_resumes_in_new_layout(saved: dict, target: str) -> N
     assert "RNG state will be ignored" not in ref_text, f"{target} resumed from its own layout yet dropped the RNG"
     clean = [SAVED_AT + 1, *range(SAVED_AT + 3, ITERS + 1)]  # not the resumed run's 2-iteration window
     own_it, own_d = _diff_at(whole, ref, clean)
-    assert own_d <= RESUME_TOL + PARSE_EPS, (f"{target}: resumed from its own checkpoint, iteration {own_it} differs from the "
-                                 f"uninterrupted run by {own_d:.3g}: the reference is not the uninterrupted run")
+    assert own_d <= RESUME_TOL + PARSE_EPS, (
+        f"{target}: resumed from its own checkpoint, iteration {own_it} differs from the uninterrupted run by "
+        f"{own_d:.3g}: the reference is not the uninterrupted run")
 
     # 4. the new layout resumed from the TP2xPP2 checkpoint
     cross, cross_text = _resume(shared, f"{target}_from_tp2pp2", nproc, saved["mid"], *flags)

@@ -32,4 +32,5 @@ def test_stock_layout_on_testdev_matches_cpu_tp1(stock: dict, layout: str, monke
     deltas = {it: abs(losses[it] - base[it]) for it in base}
     worst = max(deltas, key=deltas.get)
     assert deltas[worst] <= TOLERANCE, (
-        f"testdev {layout}: iteration {worst} lm loss {losses[worst]} vs CPU TP1 {base[worst]} (|d|={deltas[worst]:.2e})")
+        f"testdev {layout}: iteration {worst} lm loss {losses[worst]} vs CPU TP1 {base[worst]} "
+        f"(|d|={deltas[worst]:.2e})")

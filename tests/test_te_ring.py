@@ -10,10 +10,8 @@
   (earlier- and later-rank blocks swapped) each break the comparison, which proves the ring ran;
   the same for packed ``thd`` sequences (8 and 16 tokens, every sequence split in 2 cp chunks as
   TE's ``thd_get_partitioned_indices`` does); attention dropout inside the ring (``sbhd`` and
-  ``thd``) equals the CP1 attention given the masks the ring drew (``_check_dropout``);
-- four ranks (TP2 x CP2, Gloo): Megatron's ``TEDotProductAttention`` under
-  ``initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)``, ring =
-  all-gather = TP1/CP1 (``sbhd`` and ``thd``, GQA, causal), a planted merge error breaking it.
+  ``thd``) equals the CP1 attention given the masks the ring drew (``helpers.ring_checks.check_dropout``);
+- four ranks (TP2 x CP2, Megatron's ``TEDotProductAttention``): test_te_ring_megatron.py.
 """
 
 from __future__ import annotations
@@ -25,13 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.launch import torchrun
+from helpers.ring_checks import check_rows
 
 from portspeed.portable_te import ring
 from portspeed.portable_te.sdpa import attention_lse_reference
 
 pytestmark = pytest.mark.usefixtures("_cpu")
-
-TOL = 1e-5
 
 
 @pytest.fixture
@@ -52,7 +49,8 @@ def test_merge_of_two_key_blocks_equals_attention_over_both() -> None:
 
 
 def test_one_message_packs_mixed_dtypes() -> None:
-    specs = [(torch.Size([2, 3]), torch.bfloat16), (torch.Size([3]), torch.bfloat16), (torch.Size([2, 2]), torch.float32)]
+    specs = [(torch.Size([2, 3]), torch.bfloat16), (torch.Size([3]), torch.bfloat16),
+             (torch.Size([2, 2]), torch.float32)]
     packer = ring._Packer(specs, torch.device("cpu"))
     buf = packer.empty()
     assert buf.dtype == torch.uint8 and buf.numel() == 2 * 6 + 2 * 3 + 4 * 4
@@ -130,7 +128,8 @@ _CP2 = textwrap.dedent(
     torch.manual_seed(0)
     S, B, D = 16, 2, 8
     c = S // (2 * cp)
-    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    mine = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
     for heads, groups in ((4, 4), (4, 2)):
         Q, K, V = torch.randn(S, B, heads, D), torch.randn(S, B, groups, D), torch.randn(S, B, groups, D)
         G = torch.randn(S, B, heads * D)
@@ -310,47 +309,12 @@ def _cp_results(tmp_path: Path, nproc: int = 2, **env: str) -> list[dict]:
     return rows
 
 
-def _check(rows: list[dict], dropout: bool = True) -> None:
-    """Ring = all-gather = a2a = CP1 within 1e-5 (output, dq, dk, dv); each planted error off by far more; with
-    ``dropout``, the ring's dropout (see ``_check_dropout``) in ``sbhd`` and ``thd``."""
-    for row in rows:
-        if dropout:
-            _check_dropout(row)
-        for case, errs in row.items():
-            if not isinstance(errs, list) or case.startswith("dropout-"):
-                continue
-            worst = max(errs)
-            where = f"rank {row['rank']} {case} (y, dq, dk, dv): {errs}"
-            if "plant-merge" in case or ("plant-order" in case and "-causal " in case):
-                assert worst > 1e-2, f"a planted error went unnoticed: {where}"
-            elif "plant-order" in case:
-                assert worst <= TOL, where  # without a mask every block is full: the order does not matter
-            else:
-                assert worst <= TOL, where
-
-
-def _check_dropout(row: dict) -> None:
-    """Attention dropout inside the ring (``ring_dropout.py``): output and q / k / v gradients = the CP1 attention
-    with the masks the ring drew placed at their global positions (1e-5); one mask per block; keep rate 1 - p
-    (0.3 drawn, within 5 standard deviations); the same seed gives the same output, another seed another; the
-    caller's generator state is untouched (drawn inside the tracker's fork)."""
-    for fmt in ("sbhd", "thd"):
-        d, where = f"dropout-{fmt}", f"rank {row['rank']} dropout {fmt}"
-        errs = row[f"{d} ring-vs-cp1-same-masks"]
-        assert max(errs) <= TOL, f"{where} (y, dq, dk, dv): {errs}"
-        rate, n, masks, blocks = row[f"{d} keep-rate"]
-        assert masks == blocks > 0, f"{where}: {masks} masks for {blocks} blocks"
-        assert abs(rate - 0.7) < 5 * (0.21 / n) ** 0.5, f"{where}: keep rate {rate} over {n} draws"
-        assert row[f"{d} same-seed-equal"] and row[f"{d} other-seed-differs"], where
-        assert row[f"{d} caller-rng-kept"], f"{where}: the caller's generator moved"
-
-
 @pytest.mark.multiproc
 def test_cp2_ring_equals_all_gather_and_cp1_on_gloo(tmp_path: Path) -> None:
     """CP2 on CPU / Gloo, the registry's block kernels (torch's CPU flash op with its log-sum-exp)."""
     rows = _cp_results(tmp_path)
     assert {(r["device"], r["kernel"]) for r in rows} == {("cpu", "torch")}, rows
-    _check(rows)
+    check_rows(rows)
 
 
 @pytest.mark.multiproc
@@ -358,7 +322,7 @@ def test_cp2_ring_with_reference_block_kernels(tmp_path: Path) -> None:
     """The same with ``PORTSPEED_TE_KERNELS=reference``: the merge and the ring do not depend on the kernel."""
     rows = _cp_results(tmp_path, PORTSPEED_TE_KERNELS="reference")
     assert {r["kernel"] for r in rows} == {"reference"}, rows
-    _check(rows)
+    check_rows(rows)
 
 
 @pytest.mark.testdev
@@ -367,104 +331,4 @@ def test_cp2_ring_on_the_test_device(tmp_path: Path) -> None:
     """CP2 on portspeed's test device (testccl through portspeed's router), against the CPU CP1 attention."""
     rows = _cp_results(tmp_path, PORTSPEED_ACCELERATOR="testdev")
     assert {r["device"].split(":")[0] for r in rows} == {"testdev"}, rows
-    _check(rows)
-
-
-_TP2CP2 = textwrap.dedent(
-    """
-    import json, sys
-    sys.argv = ["tp2cp2_ring"]                            # no --transformer-impl: Megatron's default, the TE path
-    import portspeed.megatron_adaptor
-    import torch, torch.distributed as dist
-    dist.init_process_group("gloo")
-    from megatron.core import parallel_state as ps
-    from megatron.core.extensions.transformer_engine import TEDotProductAttention
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from portspeed.portable_te import attention, ring
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
-    model_parallel_cuda_manual_seed(0)
-    tp, tr = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    cp, cr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    good_merge = ring.merge_partial
-
-    def no_lse_merge(out_acc, lse_acc, out, lse):  # planted: a plain average instead of the lse-weighted merge
-        out_acc.add_(out.float()).mul_(0.5)
-
-    NP, NG, D = 4, 2, 8                                   # GQA: per TP rank 2 heads, 1 key/value group
-    hp, gp = NP // tp, NG // tp
-    cfg = dict(num_layers=1, hidden_size=NP * D, num_attention_heads=NP, num_query_groups=NG, kv_channels=D,
-               attention_dropout=0.0, tensor_model_parallel_size=tp, context_parallel_size=cp)
-    out = {"tp": tp, "cp": cp, "tp_rank": tr, "cp_rank": cr}
-
-    def chunks(a, b):                                     # this CP rank's two chunks of tokens a..b
-        c = (b - a) // (2 * cp)
-        return list(range(a + cr * c, a + (cr + 1) * c)) + list(range(b - (cr + 1) * c, b - cr * c))
-
-    torch.manual_seed(0)                                  # the same full tensors on every rank
-    S, B, T = 16, 2, 24
-    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
-    full = {"sbhd": [torch.randn(S, B, n, D) for n in (NP, NG, NG)] + [torch.randn(S, B, NP * D)],
-            "thd": [torch.randn(T, n, D) for n in (NP, NG, NG)] + [torch.randn(T, NP * D)]}
-    where = {"sbhd": torch.tensor(chunks(0, S)), "thd": torch.tensor(chunks(0, 8) + chunks(8, 24))}
-    heads = [slice(tr * hp, (tr + 1) * hp), slice(tr * gp, (tr + 1) * gp), slice(tr * gp, (tr + 1) * gp)]
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                             cu_seqlens_kv_padded=cu, max_seqlen_q=16, max_seqlen_kv=16)
-    for fmt in ("sbhd", "thd"):
-        Q, K, V, G = full[fmt]
-        mask = "causal" if fmt == "sbhd" else "padding_causal"
-        # TP1 / CP1: the single-process attention over every head and the whole sequence
-        ref_attn = attention.DotProductAttention(NP, D, num_gqa_groups=NG, qkv_format=fmt, attn_mask_type=mask)
-        q, k, v = (t.clone().requires_grad_() for t in (Q, K, V))
-        y = ref_attn(q, k, v, **({"cu_seqlens_q": cu, "cu_seqlens_kv": cu} if fmt == "thd" else {}))
-        y.backward(G)
-        loc = where[fmt]
-        y_heads = y.reshape(*y.shape[:-1], NP, D)[..., heads[0], :].flatten(-2)
-        ref = [y_heads[loc]] + [t.grad[loc][..., h, :] for t, h in zip((q, k, v), heads)]
-        got = {}
-        for name, comm, merge in (("ring", "p2p", good_merge), ("allgather", "all_gather", good_merge),
-                                  ("plant-merge", "p2p", no_lse_merge)):
-            ring.merge_partial = merge
-            te = TEDotProductAttention(TransformerConfig(**cfg, cp_comm_type=comm), layer_number=1,
-                                       attn_mask_type=AttnMaskType.causal, attention_type="self", cp_comm_type=comm)
-            assert isinstance(te, attention.DotProductAttention), type(te).__mro__
-            ql, kl, vl = (t[loc][..., h, :].clone().requires_grad_() for t, h in zip((Q, K, V), heads))
-            yl = te(ql, kl, vl, None, AttnMaskType.causal, packed_seq_params=packed if fmt == "thd" else None)
-            yl.backward(G.reshape(*G.shape[:-1], NP, D)[..., heads[0], :].flatten(-2)[loc])
-            got[name] = [yl.detach(), ql.grad, kl.grad, vl.grad]
-        ring.merge_partial = good_merge
-        for name, tensors in got.items():
-            out[f"{fmt}-causal {name}-vs-cp1"] = [(a - b).abs().max().item() for a, b in zip(tensors, ref)]
-        out[f"{fmt}-causal ring-vs-allgather"] = [(a - b).abs().max().item()
-                                                  for a, b in zip(got["ring"], got["allgather"])]
-    out["rank"] = dist.get_rank()
-    print("RESULT " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    """
-)
-
-
-@pytest.mark.megatron
-@pytest.mark.multiproc
-def test_tp2_cp2_megatron_te_attention_ring_equals_all_gather_and_tp1_cp1(tmp_path: Path) -> None:
-    """TP2 x CP2 (4 Gloo ranks): Megatron's ``TEDotProductAttention`` (served by the portable TE) built under
-    ``initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)``, GQA, causal, ``sbhd`` and
-    packed ``thd``: the ring (``p2p``) = the all-gather form = the TP1/CP1 attention within 1e-5 (output and
-    q / k / v gradients of this rank's heads and tokens); a planted merge error breaks it (the ring ran)."""
-    from helpers.requires import require
-
-    require("megatron.core", "pip install -e '.[megatron]'")
-    script = tmp_path / "tp2cp2_ring.py"
-    script.write_text(_TP2CP2)
-    res = torchrun(str(script), 4, timeout=300, env={"PORTSPEED_ACCELERATOR": "cpu"})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    decoder = json.JSONDecoder()
-    rows = [decoder.raw_decode(part.lstrip())[0] for part in res.stdout.split("RESULT ")[1:]]
-    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3], res.stdout[-2000:]
-    assert {(r["tp"], r["cp"]) for r in rows} == {(2, 2)}, rows
-    assert {(r["tp_rank"], r["cp_rank"]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}, rows
-    _check(rows, dropout=False)
+    check_rows(rows)

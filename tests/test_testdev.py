@@ -66,7 +66,8 @@ def test_host_and_device_tensors_do_not_mix() -> None:
     """An op on a host and a device tensor fails as on CUDA; 0-dim host scalars and host index tensors pass."""
     _run("""
         d = torch.arange(6.).to("testdev")
-        for bad in (lambda: d + torch.ones(6), lambda: torch.ones(6) * d, lambda: torch.mm(d.view(2, 3), torch.ones(3, 2))):
+        for bad in (lambda: d + torch.ones(6), lambda: torch.ones(6) * d,
+                    lambda: torch.mm(d.view(2, 3), torch.ones(3, 2))):
             try:
                 bad()
                 raise AssertionError("mixed host/device op did not raise")
@@ -187,7 +188,8 @@ def test_streams_events_and_synchronize() -> None:
             assert torch.accelerator.current_stream().stream_id == s.stream_id
             y = torch.ones(3, device=dev) * 2
         assert torch.accelerator.current_stream().stream_id == 0
-        start, end = torch.Event(device="testdev", enable_timing=True), torch.Event(device="testdev", enable_timing=True)
+        start = torch.Event(device="testdev", enable_timing=True)
+        end = torch.Event(device="testdev", enable_timing=True)
         start.record(s)
         z = y @ y
         end.record(s)
@@ -251,8 +253,10 @@ x = torch.full((4,), float(rank + 1), device=dev); dist.all_reduce(x); out["all_
 b = torch.arange(4., device=dev) + rank; dist.broadcast(b, src=1); out["broadcast"] = b.cpu().tolist()
 g = torch.empty(2 * n, device=dev); dist.all_gather_into_tensor(g, torch.full((2,), float(rank), device=dev))
 out["all_gather_into_tensor"] = g.cpu().tolist()
-r = torch.empty(2, device=dev); dist.reduce_scatter_tensor(r, torch.arange(2. * n, device=dev)); out["reduce_scatter_tensor"] = r.cpu().tolist()
-a = torch.empty(n, device=dev); dist.all_to_all_single(a, torch.arange(float(n), device=dev) + 10 * rank); out["all_to_all_single"] = a.cpu().tolist()
+r = torch.empty(2, device=dev); dist.reduce_scatter_tensor(r, torch.arange(2. * n, device=dev))
+out["reduce_scatter_tensor"] = r.cpu().tolist()
+a = torch.empty(n, device=dev); dist.all_to_all_single(a, torch.arange(float(n), device=dev) + 10 * rank)
+out["all_to_all_single"] = a.cpu().tolist()
 peer = (rank + 1) % n
 got = torch.empty(3, device=dev)
 for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(rank), device=dev), peer),
@@ -270,8 +274,9 @@ if rank == 0:
 elif rank == 1:
     dist.send(torch.full((2,), 9., device=dev), 0)
 for name, call in [("avg", lambda: dist.all_reduce(torch.ones(2, device=dev), op=dist.ReduceOp.AVG)),
-                   ("bf16_reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.empty(2, device=dev, dtype=torch.bfloat16),
-                                                                          torch.ones(2 * n, device=dev, dtype=torch.bfloat16)))]:
+                   ("bf16_reduce_scatter",
+                    lambda: dist.reduce_scatter_tensor(torch.empty(2, device=dev, dtype=torch.bfloat16),
+                                                       torch.ones(2 * n, device=dev, dtype=torch.bfloat16)))]:
     try:
         call(); out[name] = "no error"
     except RuntimeError as e:

@@ -79,7 +79,8 @@ def test_type_string_tells_host_from_device(tmp_path: Path) -> None:
         assert tdfw.type_str(torch.ones(2, device="testdev")) == "torch.cuda.FloatTensor"
         assert tdfw.type_str(torch.ones(2, device="testdev", dtype=torch.bfloat16)) == "torch.cuda.BFloat16Tensor"
         assert tdfw.type_str(torch.ones(2)) == "torch.FloatTensor", "a host tensor claimed to be on the device"
-        assert torch.ones(2, device="testdev").type() == "torch.testdev.FloatTensor"  # non-framework code: torch's answer
+        # non-framework code: torch's answer
+        assert torch.ones(2, device="testdev").type() == "torch.testdev.FloatTensor"
     """)
 
 
@@ -167,7 +168,8 @@ class Tiny(MegatronModule):
         self.lin = torch.nn.Linear(8, 8)
 
 model = Tiny().to(acc.device())
-ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)  # params in a buffer
+# the parameters in a buffer
+ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
 buf = ddp.buffers[0]
 before = model.lin.weight.detach().cpu().clone()
 assert buf.param_data.device.type == acc.device_type
@@ -207,5 +209,6 @@ def test_megatron_fusions_run_eagerly_where_inductor_lacks_the_device(tmp_path: 
         got = bias_gelu(b.to("testdev"), x.to("testdev"))
         assert got.device.type == "testdev"
         assert torch.allclose(got.cpu(), bias_gelu(b, x))
-        assert any(r["name"] == "megatron.core.jit_fuser.eager" and r["status"] == "applied" for r in portspeed.report())
+        assert any(r["name"] == "megatron.core.jit_fuser.eager" and r["status"] == "applied"
+                   for r in portspeed.report())
     """)

@@ -127,7 +127,8 @@ def test_planted_fault_is_named_in_the_closing_lines(backend: str, mode: str, tm
     assert dumped, text[-4000:]
     if TORCH_RECORDS and backend != "standin":
         _no_call_twice(folder, backend)
-        if mode == "skip":  # torch's own analyser reads torch's dump of the run (Gloo's needs portspeed's pg_config rows)
+        # torch's own analyser reads torch's dump of the run (Gloo's needs portspeed's pg_config rows)
+        if mode == "skip":
             prefix = {"cpu": TORCH_GLOO_DUMP_PREFIX, "testdev": "torch_fr_trace_rank_"}[backend]
             out = run_python(["-m", "torch.distributed.flight_recorder.fr_trace", "--prefix", prefix, str(folder)],
                              timeout=120)
@@ -239,9 +240,11 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
                               "objects": [(e["ps_op"], e.get("ps_via"), e["frames"][0]["name"]) for e in d2["entries"]],
                               "objects_through": [(e["profiling_name"], e["frames"][0]["name"]) for e in last],
                               "through": [(e["collective_seq_id"], e["profiling_name"]) for e in through],
-                              "pg": d["pg_config"], "entries": [{{k: e[k] for k in ("collective_seq_id", "profiling_name",
-                              "input_sizes", "output_sizes", "input_dtypes", "state", "frames", "ps_device")}}
-                              for e in d["entries"]]}}, default=str), flush=True)
+                              "pg": d["pg_config"],
+                              "entries": [{{k: e[k] for k in ("collective_seq_id", "profiling_name", "input_sizes",
+                                                              "output_sizes", "input_dtypes", "state", "frames",
+                                                              "ps_device")}}
+                                          for e in d["entries"]]}}, default=str), flush=True)
             dist.destroy_process_group()  # one run under load aborted at exit with the group alive (cause not found)
         main()
     ''', timeout=180, env={"PORTSPEED_TRACE": "3", "PORTSPEED_TRACE_DIR": str(tmp_path),

@@ -3,7 +3,7 @@
 ``Recorder.issue`` keeps first-seen caches (dtype and device names, (shape, dtype, device) -> sizes and
 their repr, caller frames by (code, instruction) -> frame dict and repr, per-group reprs) and builds the
 write-through line from them. These checks hold it to the plain definitions: the line must be the
-repr of the ``WRITE_THROUGH_FIELDS`` tuple of the entry (what ``Recorder._write_through`` writes and
+repr of the ``WRITE_THROUGH_FIELDS`` tuple of the entry (``trace_fields.write_through_line``, what
 ``why-hung`` reads), the frames must be the caller's, and a cache row whose code object is not the
 caller's must not be used. In-process, no process group (the recorder names the group "?").
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portspeed.comm import trace
+from portspeed.comm import trace, trace_fields
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def _lines(r: trace.Recorder) -> list[str]:
     return r.path.read_text().splitlines()  # type: ignore[attr-defined]
 
 
-def test_write_through_line_is_the_repr_of_the_entry_fields(rec: trace.Recorder, tmp_path: Path) -> None:
+def test_write_through_line_is_the_repr_of_the_entry_fields(rec: trace.Recorder) -> None:
     t, h = torch.ones(3, 2), torch.zeros(5, dtype=torch.bfloat16)
     calls = [("all_reduce", (t,), {}), ("all_reduce", (t,), {}), ("all_reduce", (h,), {}),
              ("all_reduce", (), {"tensor": t}), ("all_gather", ([t, t], t), {}), ("barrier", (), {}),
@@ -50,12 +50,7 @@ def test_write_through_line_is_the_repr_of_the_entry_fields(rec: trace.Recorder,
              ("gather", (t, None, 0), {}), ("reduce_scatter_tensor", (t, h), {})]
     entries = [_issue(rec, *c) for c in calls]
     written = _lines(rec)
-    ref = trace.Recorder(8, str(tmp_path))  # the general writer, fed the same entries
-    ref._wt_fd = os.open(tmp_path / "ref.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for e in entries:
-        ref._write_through(e)
-    os.close(ref._wt_fd)
-    assert written == (tmp_path / "ref.txt").read_text().splitlines()
+    assert written == [trace_fields.write_through_line(e) for e in entries]  # the line's definition, on the entries
     first = dict(zip(trace.WRITE_THROUGH_FIELDS, ast.literal_eval(written[0]), strict=True))
     assert first["input_sizes"] == [[3, 2]] and first["input_dtypes"] == ["Float"] and first["pg_name"] == "?"
     assert entries[2]["input_dtypes"] == ["BFloat16"] and entries[2]["input_sizes"] == [[5]]
@@ -82,8 +77,9 @@ def test_frames_are_the_callers_and_a_foreign_cache_row_is_not_used(rec: trace.R
     assert b["frames"][0]["name"] == "site_b" and b["frames"][1]["line"] == a["frames"][1]["line"] + 1
     assert a["frames"][0]["line"] == site_a.__code__.co_firstlineno + 1
     # the row of site_a's call, now claimed by another code object (an id reused after the first was freed)
-    key = next(k for k, v in trace._SITES.items() if v[0] is site_a.__code__)
-    trace._SITES[key] = (site_b.__code__, {"name": "stale", "filename": "stale", "line": -1}, "'stale', 'stale', -1")
+    key = next(k for k, v in trace_fields._SITES.items() if v[0] is site_a.__code__)
+    stale = {"name": "stale", "filename": "stale", "line": -1}
+    trace_fields._SITES[key] = (site_b.__code__, stale, "'stale', 'stale', -1")
     again = site_a()
     assert again["frames"][0] == a["frames"][0] and "stale" not in _lines(rec)[-1]
 

@@ -1,9 +1,9 @@
 """A rank that skips one all_reduce inside Megatron's tensor-parallel forward is named, with Megatron's line.
 
 The planted fault (tests/data/trace_megatron_skip.py): the example trainer on real megatron-core,
-TP2 on 2 ranks (CPU adapter on Gloo, the stand-in CCL, the test device), with ``megatron.core.tensor_parallel.mappings._reduce``
-wrapped so that rank 1 returns its 3rd call's input unreduced. Gloo then pairs rank 1's later
-calls with rank 0's earlier ones until two of them differ in shape (the vocab-parallel loss's
+TP2 on 2 ranks (CPU adapter on Gloo, the stand-in CCL, the test device), with
+``megatron.core.tensor_parallel.mappings._reduce`` wrapped so that rank 1 returns its 3rd call's input unreduced. Gloo
+then pairs rank 1's later calls with rank 0's earlier ones until two of them differ in shape (the vocab-parallel loss's
 all_reduce against the next layer's); the job must end (the run's kill bound is the hang timeout
 plus start-up, not a timed assertion) and `portspeed run`'s closing lines must name rank 1, the
 op, the TP group, the sequence number, the skipped call's site in Megatron's mappings.py, and the

@@ -103,7 +103,8 @@ def test_why_hung_reads_a_real_nccl_dump(tmp_path: Path) -> None:
     assert code == 1 and lines[0].startswith("no divergence"), lines
     assert lines[-1].strip() == "dumps: rank 0: torch dump", lines
     data = pickle.loads(NCCL_DUMP.read_bytes())
-    assert data["comm_lib_version"] == "2.28.9" and {e["profiling_name"] for e in data["entries"]} == {"nccl:all_reduce"}
+    assert data["comm_lib_version"] == "2.28.9"
+    assert {e["profiling_name"] for e in data["entries"]} == {"nccl:all_reduce"}
     # the call site through torch's NCCL frames (innermost first: c10d, its logger, portspeed's router)
     from portspeed.cli.trace_dumps import call_site
 

@@ -1,10 +1,10 @@
-"""`portspeed run --hang-timeout` never watches nothing, and the launcher and its ranks read the recorder's settings alike.
+"""`portspeed run --hang-timeout` never watches nothing; the launcher and its ranks read the recorder's settings alike.
 
 A rank whose recorder never starts sends no heartbeat; the watchdog used to wait for one for ever. On
 the planted skip (tests/data/trace_faults.py, 2 ranks, CPU/Gloo) under ``--adaptor none``, recording
 never starts three ways (tests/data/trace_unrecorded.py): no adaptor imported, an adaptor imported whose
-set-up waits for a framework that never comes, recording turned off on one rank. Each job must end (the run's kill bound is the
-hang timeout plus start-up, not a timed assertion), and its closing lines must name the rank and the
+set-up waits for a framework that never comes, recording turned off on one rank. Each job must end (the run's kill bound
+is the hang timeout plus start-up, not a timed assertion), and its closing lines must name the rank and the
 reason. (The planted faults of tests/test_trace.py run with the adaptor and no framework import: the
 worker sets the adaptor up at launch, so they are recorded and named.) ``PORTSPEED_TRACE`` spelt
 ``00``, ``²``, ``+5``, `` 7 `` with and without a hang timeout: refused in one line, or read the same by
@@ -44,7 +44,8 @@ def _launch(env: dict, folder: Path, nproc: int = 2, script: Path = SCRIPT, args
 WAYS = {
     "no-adaptor": ({"PLANT_BACKEND": "gloo"}, "ranks 0, 1", ["no adaptor was imported (--adaptor none"]),
     "adaptor-waits": ({"PLANT_BACKEND": "gloo", "PLANT_IMPORT": "portspeed.megatron_adaptor"}, "ranks 0, 1",
-                      ["portspeed.megatron_adaptor is imported, but its set-up", "waits for its framework's first import"]),
+                      ["portspeed.megatron_adaptor is imported, but its set-up",
+                       "waits for its framework's first import"]),
     "off-on-rank-1": ({"PLANT_IMPORT": "portspeed.megatron_adaptor", "PLANT_TRACE_OFF_RANK": "1",
                        "PORTSPEED_FRAMEWORK_MODULES": "__main__"}, "rank 1",
                       ["recording is off in this rank: PORTSPEED_TRACE reads 0 entries here"]),

@@ -4,12 +4,9 @@ and conformance's answer to an undeclared gap (the pure part; the runs are in te
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import os
 import re
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +77,6 @@ def test_the_guide_imports_only_the_vendor_module() -> None:
     doc = (REPO / "docs" / "writing-an-adapter.md").read_text()
     imports = set(re.findall(r"^\s*from (portspeed[\w.]*) import", doc, re.M))
     assert imports == {"portspeed.vendor"}, imports
-
-
-def test_the_old_capabilities_name_warns_at_the_importing_line() -> None:
-    """``portspeed.comm.capabilities`` still works (the same module) and warns, pointing at the import."""
-    sys.modules.pop("portspeed.comm.capabilities", None)
-    import portspeed.comm as comm
-
-    comm.__dict__.pop("capabilities", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        old = importlib.import_module("portspeed.comm.capabilities")
-    hits = [w for w in seen if issubclass(w.category, DeprecationWarning) and "portspeed.vendor" in str(w.message)]
-    assert hits and old is importlib.import_module("portspeed.accelerator.capabilities")
-    assert old.BackendGaps is BackendGaps
 
 
 # ------------------------------------------------------------------ required members
@@ -197,10 +180,12 @@ def test_undeclared_gaps_become_the_fields_that_describe_them() -> None:
     for everything, a flat all_gather output; a broadcast is named as something no field describes."""
     rows = []
     for op in ("SUM", "MAX", "AVG"):
-        rows += [_row(("reduce_scatter_tensor", op, "bfloat16"), False), _row(("reduce_scatter_tensor", op, "float32"), True)]
+        rows += [_row(("reduce_scatter_tensor", op, "bfloat16"), False),
+                 _row(("reduce_scatter_tensor", op, "float32"), True)]
         rows += [_row(("all_reduce", op, "float16"), False, "wrong"), _row(("all_reduce", op, "float32"), op != "MAX")]
     rows += [_row(("all_to_all", None, dt), False) for dt in ("float32", "bfloat16")]
-    rows += [_row(("all_gather_into_tensor", gaps.SHAPE, "float32"), False), _row(("broadcast", None, "float32"), False)]
+    rows += [_row(("all_gather_into_tensor", gaps.SHAPE, "float32"), False),
+             _row(("broadcast", None, "float32"), False)]
     findings, explained, why = gaps.suggest(rows, None)
     got = {(f.field, f.value) for f in findings}
     assert got == {("unsupported_dtypes", ("reduce_scatter_tensor", torch.bfloat16)),
@@ -215,8 +200,10 @@ def test_undeclared_gaps_become_the_fields_that_describe_them() -> None:
 
 def test_a_declared_gap_is_not_suggested_again_and_one_that_can_go_is_dropped() -> None:
     declared = BackendGaps(unsupported_ops=[dist.ReduceOp.AVG, dist.ReduceOp.BXOR], chunk_shaped_all_gather=True)
-    rows = [_row(("all_reduce", "AVG", "bfloat16"), False, flagged=True), _row(("all_reduce", "SUM", "bfloat16"), False),
-            _row(("all_reduce", "AVG", "float32"), True, flagged=True), _row(("all_reduce", "SUM", "float32"), True)]
+    rows = [_row(("all_reduce", "AVG", "bfloat16"), False, flagged=True),
+            _row(("all_reduce", "SUM", "bfloat16"), False),
+            _row(("all_reduce", "AVG", "float32"), True, flagged=True),
+            _row(("all_reduce", "SUM", "float32"), True)]
     findings, explained, _ = gaps.suggest(rows, declared)
     assert [(f.field, f.value) for f in findings] == [("unsupported_dtypes", ("all_reduce", torch.bfloat16))]
     fits = gaps.declaration(declared, findings, drop=[("unsupported_ops", dist.ReduceOp.BXOR)])

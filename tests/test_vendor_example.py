@@ -28,7 +28,8 @@ ITERS = 3
 ATTENTION_CALLS = 4 * 4 * ITERS
 RMS_NORM_CALLS = 2 * 4 * 4 * ITERS
 #: the BackendGaps line the test leaves out of the example (testccl refuses bf16 reduce-scatters)
-LEFT_OUT = '        unsupported_dtypes=[("reduce_scatter", torch.bfloat16), ("reduce_scatter_tensor", torch.bfloat16)],\n'
+LEFT_OUT = ('        unsupported_dtypes=[("reduce_scatter", torch.bfloat16), '
+            '("reduce_scatter_tensor", torch.bfloat16)],\n')
 #: the example's reduce ops line (BXOR, which testccl does right, is added to it)
 OPS = "unsupported_ops=[dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM]"
 

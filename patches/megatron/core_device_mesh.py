@@ -39,7 +39,8 @@ def mesh_init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     """wrapt wrapper of ``DeviceMesh.__init__``: ``device_type="cuda"`` from framework code -> the adapter's."""
     if args and isinstance(args[0], str) and args[0].startswith("cuda") and _framework_called():
         args = (get_accelerator().device_type,) + tuple(args[1:])
-    elif isinstance(kwargs.get("device_type"), str) and kwargs["device_type"].startswith("cuda") and _framework_called():
+    elif (isinstance(kwargs.get("device_type"), str) and kwargs["device_type"].startswith("cuda")
+          and _framework_called()):
         kwargs = dict(kwargs, device_type=get_accelerator().device_type)
     return wrapped(*args, **kwargs)
 

@@ -86,7 +86,8 @@ def torch_norm_new(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> An
 _COMMON = dict(distribution=DISTRIBUTION, versions=CORE, when=translated)
 
 PATCHES: list[Patch] = [
-    Patch(name="megatron.core.fallbacks.config", target="megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
+    Patch(name="megatron.core.fallbacks.config",
+          target="megatron.core.transformer.transformer_config:TransformerConfig.__post_init__",
           kind=WRAP, impl=config_post_init,
           reason="options whose only implementation is a CUDA kernel fall back to Megatron's torch path off CUDA; "
                  "in fp16/bf16 that path rounds each weight gradient to the parameter dtype before accumulating it "
@@ -96,6 +97,7 @@ PATCHES: list[Patch] = [
           **_COMMON),
     Patch(name="megatron.core.fallbacks.torch_norm_sp", target="megatron.core.transformer.torch_norm:WrappedTorchNorm",
           kind=WRAP, impl=torch_norm_new,
-          reason="without apex the torch LayerNorm refuses sequence parallelism; mark its params so their grads are all-reduced over TP",
+          reason="without apex the torch LayerNorm refuses sequence parallelism; mark its params so their grads are "
+                 "all-reduced over TP",
           **_COMMON),
 ]

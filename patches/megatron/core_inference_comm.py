@@ -34,6 +34,7 @@ def on_adapter_device(tensor: Any) -> None:
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.inference_comm.device_check",
           target="megatron.core.inference.communication_utils:_is_cuda", kind=REPLACE, impl=on_adapter_device,
-          reason="broadcast_from_last_pipeline_stage and its siblings assert tensor.is_cuda; check the adapter's device instead",
+          reason="broadcast_from_last_pipeline_stage and its siblings assert tensor.is_cuda; check the adapter's "
+                 "device instead",
           distribution=DISTRIBUTION, versions=CORE, when=translated),
 ]

@@ -49,7 +49,7 @@ def eager_jit_fuser(fn: Callable[..., Any] | None = None, *args: Any, **kwargs: 
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.jit_fuser.eager", target="megatron.core.jit:jit_fuser", kind=REPLACE,
           impl=eager_jit_fuser,
-          reason="torch.compile has no Inductor code generator for this device; Megatron's fusions run as eager torch ops "
-                 "(as with Megatron's disable_jit_fuser())",
+          reason="torch.compile has no Inductor code generator for this device; Megatron's fusions run as eager "
+                 "torch ops (as with Megatron's disable_jit_fuser())",
           distribution=DISTRIBUTION, versions=CORE, when=inductor_lacks_device),
 ]

@@ -38,7 +38,8 @@ def host_copy_of_device_tensor(wrapped: Any, instance: Any, args: tuple, kwargs:
 
 
 PATCHES: list[Patch] = [
-    Patch(name="megatron.core.moe.host_splits", target="megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+    Patch(name="megatron.core.moe.host_splits",
+          target="megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
           kind=WRAP, impl=host_copy_of_device_tensor, distribution=DISTRIBUTION, versions=CORE, when=translated,
           reason="the all-to-all MoE dispatcher copies its split sizes to the host only from CUDA tensors; off CUDA "
           "they stayed tensors and all_to_all_single rejected them, so copy them from the adapter's device too"),

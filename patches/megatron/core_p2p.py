@@ -89,6 +89,7 @@ PATCHES: list[Patch] = [
     Patch(name="megatron.core.p2p.interleaved_pp2_guard",
           target="megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
           kind=WRAP, impl=interleaved_guard,
-          reason="with 2 pipeline ranks, batched interleaved p2p swaps messages silently on Gloo; fail with the fix instead",
+          reason="with 2 pipeline ranks, batched interleaved p2p swaps messages silently on Gloo; "
+                 "fail with the fix instead",
           distribution=DISTRIBUTION, versions=CORE, when=translated),
 ]

@@ -63,6 +63,7 @@ def initialize_model_parallel(wrapped: Any, instance: Any, args: tuple, kwargs: 
 PATCHES: list[Patch] = [
     Patch(name="megatron.core.parallel_state.nccl_options",
           target="megatron.core.parallel_state:initialize_model_parallel", kind=WRAP, impl=initialize_model_parallel,
-          reason="NCCL communicator options, SHARP and an NCCL pipeline backend cannot be created on another adapter's backend",
+          reason="NCCL communicator options, SHARP and an NCCL pipeline backend cannot be created on another "
+                 "adapter's backend",
           distribution=DISTRIBUTION, versions=CORE, when=translated),
 ]

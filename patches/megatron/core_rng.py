@@ -75,7 +75,8 @@ PATCHES: list[Patch] = [
           **_COMMON),
     Patch(name="megatron.core.rng.set_state", target=f"{_MOD}:_set_cuda_rng_state", kind=REPLACE,
           impl=set_cuda_rng_state,
-          reason="torch.cuda._lazy_call never runs on a CPU build, so the RNG tracker's fork would silently not switch states",
+          reason="torch.cuda._lazy_call never runs on a CPU build, so the RNG tracker's fork would silently not "
+                 "switch states",
           **_COMMON),
     Patch(name="megatron.core.rng.tracker_graphs", target=f"{_MOD}:CudaRNGStatesTracker.__init__", kind=WRAP,
           impl=tracker_init,

@@ -128,9 +128,9 @@ def _log_straggler(args: Any, adapter: str) -> list[str]:
     if not getattr(args, "log_straggler", False):
         return []
     return ["--log-straggler: Megatron's StragglerDetector times with CUDA events and reports each GPU's temperature, "
-            "power, utilization and clock through NVML (NVIDIA only; off CUDA it fails at the first log interval); drop "
-            "it, record with `portspeed run --perf DIR` (PORTSPEED_PERF=DIR under torchrun), then `portspeed compare "
-            "--perf DIR` names the slow rank"]
+            "power, utilization and clock through NVML (NVIDIA only; off CUDA it fails at the first log interval); "
+            "drop it, record with `portspeed run --perf DIR` (PORTSPEED_PERF=DIR under torchrun), then "
+            "`portspeed compare --perf DIR` names the slow rank"]
 
 
 #: every check: (args, adapter name) -> one line per offending flag

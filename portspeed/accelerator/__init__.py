@@ -5,7 +5,7 @@ Layer: engine, below ``portspeed.comm``. Imports the foundation (``portspeed.err
 patch and never a framework.
 
 - ``capabilities`` the collective vocabulary an adapter declares (``Capabilities``, ``BackendGaps``,
-                  backend names, torch's own tables); ``portspeed.comm.capabilities`` is this module.
+                  backend names, torch's own tables).
 - ``kernel_ops``  the vendor kernel slot: the operations an adapter may serve, as contracts.
 
 - ``contract``    ``Accelerator``: the interface every adapter implements, and the

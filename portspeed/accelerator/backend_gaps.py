@@ -112,7 +112,8 @@ class BackendGaps:
              for op in self.unsupported_ops]
             + [("unsupported_dtypes", (c, dt), (Gap(c, "raises", f"{n} (no {str(dt)[6:]} {c})", dtype=dt),))
                for c, dt in self.unsupported_dtypes]
-            + [("unsupported_collectives", c, (Gap(c, "raises", f"{n} (no {c})"),)) for c in self.unsupported_collectives]
+            + [("unsupported_collectives", c, (Gap(c, "raises", f"{n} (no {c})"),))
+               for c in self.unsupported_collectives]
             + [("wrong_dtypes", (c, dt), (Gap(c, "wrong", f"{n} ({str(dt)[6:]} {c} computed wrongly)", dtype=dt),))
                for c, dt in self.wrong_dtypes]
             + ([("chunk_shaped_all_gather", True, (Gap(CHUNK_SHAPED, "raises", f"{n} ({CHUNK_SHAPED} wants each output "

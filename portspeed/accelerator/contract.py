@@ -119,8 +119,8 @@ class Accelerator:
     #: softmax, gelu, cross_entropy...) named here are computed on the host, for every caller.
     wrong_torch_ops: ClassVar[tuple[str, ...]] = ()
     #: Collectives (``declarations.STAGEABLE``) the adapter's CCL lacks or gets wrong: staged through the host on
-    #: Gloo (``portspeed.comm.staged``), the rest on ``backend``; its groups run on ``staged`` (``groups_backend``). ``backend =
-    #: "staged"`` stages them all. ``portspeed conformance`` prints the line.
+    #: Gloo (``portspeed.comm.staged``), the rest on ``backend``; its groups run on ``staged`` (``groups_backend``).
+    #: ``backend = "staged"`` stages them all. ``portspeed conformance`` prints the line.
     staged_collectives: ClassVar[tuple[str, ...]] = ()
     #: The CCL is proven (conformance, hardware): no check of its collectives when the job's default group is made.
     ccl_verified: ClassVar[bool] = False

@@ -80,7 +80,8 @@ class _Generators(Sequence):
 
     def __getitem__(self, index: Any) -> torch.Generator:  # type: ignore[override]
         if isinstance(index, slice):
-            return [get_accelerator().default_generator(i) for i in range(len(self))[index]]  # type: ignore[return-value]
+            acc = get_accelerator()
+            return [acc.default_generator(i) for i in range(len(self))[index]]  # type: ignore[return-value]
         return get_accelerator().default_generator(int(index))
 
     def __len__(self) -> int:

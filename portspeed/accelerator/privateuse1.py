@@ -5,7 +5,7 @@ by renaming PrivateUse1), a device module (``torch._register_device_module``, so
 ``torch.get_device_module(<type>)`` answers) and a c10d backend for its device type
 (``Backend.register_backend(..., devices=[<type>])``). Everything portspeed needs can be
 read from those three, so a vendor adapter is a subclass that sets names only (vendors import it
-from ``portspeed.vendor``; ``portspeed.adapters.privateuse1`` is its old name, kept)::
+from ``portspeed.vendor``)::
 
     class AcmeAccelerator(PrivateUse1Accelerator):
         name = "acme"
@@ -246,7 +246,8 @@ class PrivateUse1Accelerator(Accelerator, abstract=True):
             return torch.Stream(device=self.device(None if device is None else self._index(device)), priority=priority)
         return self.module.Stream(device, priority=priority, **kwargs)
 
-    def Event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:  # noqa: N802
+    def Event(  # noqa: N802
+            self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Any:
         if self._runtime():
             return torch.Event(device=self.device_type, enable_timing=enable_timing, blocking=blocking,
                                interprocess=interprocess)

@@ -136,8 +136,9 @@ def _load(spec: str) -> object:
             module = importlib.import_module(target)
     except ModuleNotFoundError as exc:
         if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
-            raise UnknownAcceleratorError(f"adapter {spec!r}: no module named {exc.name!r} (check the spelling and that "
-                                          "it is installed or on PYTHONPATH; a file is written path/to/file.py:Class)"
+            raise UnknownAcceleratorError(f"adapter {spec!r}: no module named {exc.name!r} (check the spelling and "
+                                          "that it is installed or on PYTHONPATH; a file is written "
+                                          "path/to/file.py:Class)"
                                           ) from None
         raise UnknownAcceleratorError(f"adapter {spec!r}: importing {target!r} failed: {exc}") from exc
     except AdapterContractError as exc:

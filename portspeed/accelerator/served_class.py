@@ -105,7 +105,7 @@ class ServedClass(type):
 def served_class(name: str, make: Callable[..., Any], *, module: str = "torch.cuda", real: type | None = None,
                  also: tuple[type | None, ...] = (), probe: Callable[[], type | None] | None = None,
                  doc: str = "") -> ServedClass:
-    """A class named ``module.name`` whose call is ``make(...)``; ``real``/``also``/``probe``: what counts as an instance."""
+    """A class named ``module.name`` whose call is ``make(...)``; ``real``/``also``/``probe``: what is an instance."""
     kinds = tuple(k for k in (real, *also) if isinstance(k, type))
     ns = {
         "__module__": module,

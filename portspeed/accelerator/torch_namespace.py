@@ -131,7 +131,7 @@ class _GeneratorType(type):
 
 
 class Generator(metaclass=_GeneratorType):
-    """``torch.Generator`` for framework modules: a CUDA ``device`` (name, torch.device or int index) means the adapter's.
+    """``torch.Generator`` for framework modules: a CUDA ``device`` (name, torch.device or index) means the adapter's.
 
     Megatron's text-generation controller makes its sampling generator with
     ``torch.Generator(device=torch.cuda.current_device())``; off CUDA that device must be

@@ -139,7 +139,8 @@ def watch_failures() -> Iterator[list[Failure]]:
         _let_the_rest_end(self, ended)
         result = original(self, worker_group)
         if result.failures:
-            attempt = worker_group.spec.max_restarts - getattr(self, "_remaining_restarts", worker_group.spec.max_restarts)
+            restarts = worker_group.spec.max_restarts
+            attempt = restarts - getattr(self, "_remaining_restarts", restarts)
             # the root cause first: the agent stops the others with SIGTERM after the grace, so a SIGTERM exit
             # sorts after any other failure; then the one whose script failed first, else the one seen ending
             # first (torchrun's timestamps are whole seconds)
@@ -164,7 +165,8 @@ def watch_failures() -> Iterator[list[Failure]]:
 def summary_line(failures: list[Failure], ok: bool) -> str:
     """The closing line: what failed first in each attempt, and how the run ended."""
     if not failures:
-        return "portspeed run: every worker finished" if ok else "portspeed run: the launch failed (no worker failure seen)"
+        return ("portspeed run: every worker finished" if ok
+                else "portspeed run: the launch failed (no worker failure seen)")
     firsts: dict[int, Failure] = {}
     for f in failures:
         firsts.setdefault(f.attempt, f)

@@ -176,7 +176,8 @@ def _watch(folder: str, hang_s: float, hang: Hang, stop: threading.Event) -> Non
         hang.fired, hang.quiet_s, hang.ranks = True, quiet, len(beats) + len(silent)
         hang.unrecorded = {r: u.why for r, u in sorted(never.items())}
         for why, ranks in _by_reason(hang.unrecorded).items():
-            print(f"portspeed run: {_ranks(ranks)} recorded nothing for {min(now - never[r].since for r in ranks):.0f} s "
+            quiet = min(now - never[r].since for r in ranks)
+            print(f"portspeed run: {_ranks(ranks)} recorded nothing for {quiet:.0f} s "
                   f"(--hang-timeout {hang_s:g}): {why}", file=sys.stderr, flush=True)
         if beats and quiet >= hang_s:
             print(f"portspeed run: no rank completed a collective for {quiet:.0f} s (--hang-timeout {hang_s:g}); "

@@ -26,8 +26,9 @@ pytest summary; every rank's output is kept under ``--log-dir``). Unlike Megatro
 (``-x``), a failing test does not stop the file (``--maxfail`` is raised) and a module that
 cannot be imported (one needing NVIDIA's Transformer Engine, say) does not stop its
 folder (``--continue-on-collection-errors``; it counts as an error), so the counts cover
-every file; the tests Megatron's CI leaves out (experimental, flaky) are left out (``--markers``); ``--timeout`` bounds each launch and a launch that runs past it is
-killed and reported as such. Options after ``--`` go to pytest as they are.
+every file; the tests Megatron's CI leaves out (experimental, flaky) are left out (``--markers``); ``--timeout`` bounds
+each launch and a launch that runs past it is killed and reported as such. Options after ``--`` go to pytest as they
+are.
 
 Example (the make target ``megatron-unit-tests`` installs the extra packages first)::
 

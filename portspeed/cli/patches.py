@@ -106,8 +106,8 @@ def render(result: dict[str, Any]) -> str:
     patches = result["patches"]
     summary = ", ".join(f"{result['counts'][s]} {s}" for s in STATUS_ORDER if s in result["counts"])
     total = sum(result["counts"].values())
-    out.append(f"{total} patches" + (f": {summary}" if summary else "")
-               + (f"; showing the {len(patches)} with status {', '.join(result['filter'])}" if "filter" in result else ""))
+    shown = f"; showing the {len(patches)} with status {', '.join(result['filter'])}" if "filter" in result else ""
+    out.append(f"{total} patches" + (f": {summary}" if summary else "") + shown)
     if not patches:
         out.append("  (none registered: import portspeed.megatron_adaptor or portspeed.deepspeed_adaptor, "
                    "or run without --adaptor none)")
@@ -158,8 +158,6 @@ def render_check(result: dict[str, Any]) -> str:
 
 def record(result: dict[str, Any], path: str | None = None) -> str:
     """Merge ``result``'s fingerprints (release -> digest per patch) into the fingerprints module; returns its path."""
-    import pprint
-
     fingerprints = patch_sets.megatron_fingerprints()
     table = {k: dict(v) for k, v in fingerprints.FINGERPRINTS.items()}
     for f in result["findings"]:
@@ -170,17 +168,29 @@ def record(result: dict[str, Any], path: str | None = None) -> str:
         watched.setdefault(watch, {})[result["release"]] = digest
     path = path or fingerprints.__file__
     head = (fingerprints.__doc__ or "").strip()
-    body = pprint.pformat(table, width=110, sort_dicts=True)
-    watched_body = pprint.pformat(watched, width=110, sort_dicts=True)
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(f'"""{head}\n"""\n\nFINGERPRINTS: dict[str, dict[str, str]] = {body}\n\n'
+        fh.write(f'"""{head}\n"""\n\n{_table("FINGERPRINTS: dict[str, dict[str, str]]", table)}\n\n'
                  f'#: "module:attr" -> release -> fingerprint (None: not there) of the sources narrowed ranges watch\n'
-                 f'WATCHED: dict[str, dict[str, str | None]] = {watched_body}\n')
+                 f'{_table("WATCHED: dict[str, dict[str, str | None]]", watched)}\n')
     return path
 
 
+def _table(declaration: str, table: dict[str, dict[str, str | None]]) -> str:
+    """``declaration = {...}`` as Python source: a name per line, then its releases, one a line (sorted)."""
+    lines = [f"{declaration} = {{"]
+    for name in sorted(table):
+        lines.append(f"    {name!r}: {{")
+        lines += [f"        {release!r}: {digest!r}," for release, digest in sorted(table[name].items())]
+        lines.append("    },")
+    return "\n".join(lines + ["}"])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`portspeed patches [--json] [--deep] [--adaptor A] [--import-targets] [--status S ...] [--check SRC [--record]]`."""
+    """`portspeed patches`.
+
+    Usage: portspeed patches [--json] [--deep] [--adaptor A] [--import-targets] [--status S ...]
+                             [--check SRC [--record]]
+    """
     parser = argparse.ArgumentParser(prog="portspeed patches", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the listing")
     parser.add_argument("--deep", action="store_true",

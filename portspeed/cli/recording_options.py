@@ -1,5 +1,6 @@
 """What `portspeed run`'s probe and perf switches share: the companions' check, the folder, iterations, level and
-ranks read by their settings' parsers, the workers' reading, and making the folder (the launcher hands the variables on).
+ranks read by their settings' parsers, the workers' reading, and making the folder (the launcher hands the variables
+on).
 
 Why shared: ``--probe DIR`` and ``--perf DIR`` are read the same way (``probe_options``, ``perf_options``): a
 bad switch is refused in one line, exit 2, before any worker starts and before anything is created, and each

@@ -274,7 +274,8 @@ def _p2p(g: tuple, pairs: dict[tuple[int, int], dict[str, list]], last: dict) ->
                 f"recv from rank {src} with no matching send on rank {src}"
             return Finding(
                 f"point-to-point: rank {who} issued a {verb}: {_op(e)} {e.get('input_sizes')} "
-                f"{e.get('input_dtypes')} (p2p #{e.get('p2p_seq_id')} of {_gname(name, desc)}) at {_site(e)}, {e.get('state')}",
+                f"{e.get('input_dtypes')} (p2p #{e.get('p2p_seq_id')} of {_gname(name, desc)}) at {_site(e)}, "
+                f"{e.get('state')}",
                 [f"rank {src} sent {len(sends)}, rank {dst} received {len(recvs)} in {_gname(name, desc)}"]
                 + [f"rank {x}: last entry {_describe(last.get(x))}" for x in (who, other)])
     return None

@@ -7,9 +7,6 @@ patch and never a framework, and ``portspeed.accelerator`` never imports this pa
 
 Modules, in import order (each imports only those above it):
 
-- ``capabilities``  deprecated: the same module as ``portspeed.accelerator.capabilities`` (moved
-                    there: what a backend lacks, ``Capabilities``, torch's defaults; adapters import
-                    ``BackendGaps`` from ``portspeed.vendor``).
 - ``backends``      backend names: the one asked for, the one that runs (``map_backend``,
                     ``real_backend``, ``requested_backend``).
 - ``groups``        wrappers of torch's group entry points; each group's capability table
@@ -20,8 +17,8 @@ Modules, in import order (each imports only those above it):
                     collective's signature taken apart for a rewrite.
 
 Public: ``real_backend(group)`` (the backend a group really runs on, whatever name the
-framework asked for; successor of ``portspeed.router.real_backend``), ``requested_backend``,
-``map_backend``, ``capabilities_of``, ``use_capabilities``, ``stats``, ``reset_stats``, ``reset``.
+framework asked for), ``requested_backend``, ``map_backend``, ``capabilities_of``, ``use_capabilities``, ``stats``,
+``reset_stats``, ``reset``.
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
                         straight = not dtypes or getattr(
                             args[t_pos] if n > t_pos else kwargs.get(t_kw), "dtype", None) not in dtypes
                 if straight:
-                    if compiling():  # torch.compile traces torch's function itself (it maps it to a functional collective)
+                    # torch.compile traces torch's function itself (it maps it to a functional collective)
+                    if compiling():
                         return original(*args, **kwargs)
                     try:
                         return call(*args, **kwargs)

@@ -61,13 +61,13 @@ import time
 import weakref
 from typing import Any, Callable
 
-from portspeed.comm.trace_fields import (OPS, VERSION, WRITE_THROUGH_FIELDS, _FRAMES, _META, _SITES,  # noqa: F401
-                                         _device, _meta, _site, _sizes)
+from portspeed.comm.trace_fields import (OPS, VERSION, WRITE_THROUGH_FIELDS, _META, _device, _meta,  # noqa: F401
+                                         _sizes, callers, write_through_line)
 from portspeed.comm.trace_files import (DUMP_PREFIX, HANG_ENV, PROGRESS_PREFIX, TORCH_DUMP_PREFIX,  # noqa: F401
                                         WRITE_THROUGH_PREFIX)
 
 __all__ = ["OPS", "Recorder", "recorder", "enabled", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX",
-           "WRITE_THROUGH_PREFIX", "HANG_ENV", "TORCH_DUMP_PREFIX"]
+           "WRITE_THROUGH_PREFIX", "HANG_ENV", "TORCH_DUMP_PREFIX", "WRITE_THROUGH_FIELDS", "write_through_line"]
 
 log = logging.getLogger("portspeed.trace")
 
@@ -152,10 +152,17 @@ class Recorder:
             self.groups[id(pg)] = g
         return g
 
-    def forget_groups(self) -> None:
-        """A destroyed group's sequence numbers must not carry over to a new group at the same address."""
-        self.groups.clear()
-        self._world = None
+    def _row(self, group: Any) -> list:
+        """The group's row (see ``groups``), looked up without an import: the hot path's."""
+        if group is None:
+            g = self._world
+            if g is None or g[6]() is not _C10D.GroupMember.WORLD:
+                g = self._world = self._group(None)
+        else:
+            g = self.groups.get(id(group))
+            if g is None or g[6]() is not group:
+                g = self._group(group)
+        return g
 
     # ------------------------------------------------------------------ entries
     def issue(self, name: str, args: tuple, kwargs: dict) -> dict:
@@ -165,19 +172,11 @@ class Recorder:
         (docs/benchmarks.md, "Recording"), so what can be is looked up, not rebuilt: the group's row
         without an import, dtype and device names by object, the caller frames and their repr by site."""
         self.busy = True
-        ip, ik, op_, ok, gp, pp, pk, fr = OPS[name]
-        n = len(args)
-        group = args[gp] if n > gp else kwargs.get("group")
-        if group is None:
-            g = self._world
-            if g is None or g[6]() is not _C10D.GroupMember.WORLD:
-                g = self._world = self._group(None)
-        else:
-            g = self.groups.get(id(group))
-            if g is None or g[6]() is not group:
-                g = self._group(group)
-        x = (args[ip] if n > ip else kwargs.get(ik)) if ip >= 0 else None
-        y = (args[op_] if n > op_ else kwargs.get(ok)) if op_ >= 0 else None
+        op = OPS[name]
+        n, ip, op_, pp = len(args), op.input_pos, op.output_pos, op.peer_pos
+        g = self._row(args[op.group_pos] if n > op.group_pos else kwargs.get("group"))
+        x = (args[ip] if n > ip else kwargs.get(op.input_kw)) if ip >= 0 else None
+        y = (args[op_] if n > op_ else kwargs.get(op.output_kw)) if op_ >= 0 else None
         if y is x and x is not None and not isinstance(x, (list, tuple)):  # one tensor, in place (all_reduce...)
             m = _META.get((x.shape, x.dtype, x.device)) or _meta(x)
             ins, idt, device, sizes_repr = m
@@ -188,11 +187,12 @@ class Recorder:
             device = _device(x if x is not None else y)
             sizes_repr = f"{ins!r}, {idt!r}, {outs!r}, {odt!r}"
         self.record_id += 1
+        fr = op.fr_name
         if pp >= 0:
             g[4] += 1
-            peer = args[pp] if n > pp else kwargs.get(pk)
+            peer = args[pp] if n > pp else kwargs.get(op.peer_kw)
             if peer is None:  # group_dst / group_src: a rank of the group
-                local = kwargs.get("group_" + pk, -1)
+                local = kwargs.get("group_" + op.peer_kw, -1)
                 peer = g[2][local] if 0 <= local < len(g[2]) else -1
             me, there = g[10], self._local(g, peer)
             prof = f"{g[5]}:{fr} {me}->{there}" if fr == "send" else f"{g[5]}:{fr} {me}<-{there}"
@@ -204,21 +204,7 @@ class Recorder:
             if p is None:
                 p = g[9][name] = (f"{g[5]}:{fr}", repr(f"{g[5]}:{fr}"))
             prof, prof_repr = p
-        frames, f, via = [], sys._getframe(2), ""
-        while f is not None and f.f_code.co_filename.startswith(_TORCH_DIST):  # all_gather_object & co: their caller
-            if f.f_code.co_name not in ("wrapper", "_fn"):  # torch's logging / compile decorators
-                via = f.f_code.co_name
-            f = f.f_back
-        site = None
-        while f is not None and len(frames) < _FRAMES:
-            code = f.f_code
-            s = _SITES.get((id(code), f.f_lasti))
-            if s is None or s[0] is not code:
-                s = _site(code, f)
-            if site is None:
-                site = s
-            frames.append(s[1])
-            f = f.f_back
+        frames, via, site = callers(sys._getframe(2), _TORCH_DIST)
         e = {"record_id": self.record_id, "pg_id": 0, "process_group": (g[0], g[1]), "collective_seq_id": g[3],
              "p2p_seq_id": g[4], "op_id": self.record_id, "profiling_name": prof, "time_created_ns": time.time_ns(),
              "input_sizes": ins, "input_dtypes": idt, "output_sizes": outs, "output_dtypes": odt,
@@ -233,7 +219,7 @@ class Recorder:
             self.entries.append(e)
         self.in_flight = e
         if self._wt_fd is not None:
-            # the repr of the WRITE_THROUGH_FIELDS tuple, its constant parts (group, call site) repr'd once
+            # write_through_line(e), built from the cached reprs: the group's, the sizes', the call site's
             line = "(%d, %s, %d, %d, %s, %s, %d, %r, %r, %s, %r, %s)\n" % (
                 e["record_id"], g[7], g[3], g[4], prof_repr, sizes_repr, e["time_created_ns"], pp >= 0, peer, g[8],
                 name, site[2] if site is not None else "'?', '?', 0")
@@ -297,18 +283,6 @@ class Recorder:
         path = os.path.join(self.folder_now(), f"{WRITE_THROUGH_PREFIX}{_rank()}.txt")
         self._wt_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def _write_through(self, e: dict) -> None:
-        """One line per issued call: the repr of a tuple (``WRITE_THROUGH_FIELDS``; repr is C-fast, json is not)."""
-        f = e["frames"][0] if e["frames"] else {"name": "?", "filename": "?", "line": 0}
-        pg = e["process_group"]
-        line = repr((e["record_id"], pg[0], pg[1], e["collective_seq_id"], e["p2p_seq_id"], e["profiling_name"],
-                     e["input_sizes"], e["input_dtypes"], e["output_sizes"], e["output_dtypes"], e["time_created_ns"],
-                     e["is_p2p"], e["ps_peer"], e["ps_ranks"], e["ps_op"], f["name"], f["filename"], f["line"]))
-        try:
-            os.write(self._wt_fd, (line + "\n").encode())
-        except OSError:
-            self._wt_fd = None
-
     def dump(self, reason: str) -> str | None:
         """Write this rank's buffer as torch's flight recorder would (a pickle); return the path."""
         with self._dump_lock:
@@ -318,7 +292,8 @@ class Recorder:
         try:
             rank = _rank()
             entries = [dict(e) for e in list(self.entries)]
-            pg_config = {g[0]: {"name": g[0], "desc": g[1], "ranks": str(list(g[2]))} for g in list(self.groups.values())}
+            pg_config = {g[0]: {"name": g[0], "desc": g[1], "ranks": str(list(g[2]))}
+                         for g in list(self.groups.values())}
             pg_config.update({g["name"]: dict(g) for g in self.staging_groups})
             for e in list(self.staged):  # the inner group under each user group, as its entries name it
                 pg_config.setdefault(e["process_group"][0], {"name": e["process_group"][0],
@@ -366,6 +341,7 @@ def _rank() -> int:
     except Exception:
         pass
     return int(os.environ.get("RANK", "0") or 0)
+
 
 
 _recorder: Recorder | None = None

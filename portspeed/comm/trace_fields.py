@@ -1,18 +1,19 @@
 """What a flight-recorder entry holds, spelled as torch's dumps spell it, and the hot path's first-seen caches.
 
 Why a module of its own: ``portspeed.comm.trace`` (the recorder) builds one entry per call on
-the hot path; this is its vocabulary: the write-through line's fields, the op table (where
-each ``torch.distributed`` function keeps its tensors, group and peer), c10 dtype names, and the
-caches that let an entry for a call seen before be built by lookups (issue 25 measured the
-cold rebuild at ~42 µs a call inside a training step: docs/benchmarks.md, "Recording"). The file
+the hot path; this is its vocabulary: the write-through line's fields and its definition
+(``write_through_line``), the op table (``OPS``: where each ``torch.distributed`` function keeps its
+tensors, group and peer), c10 dtype names, and the caches that let an entry for a call seen before
+be built by lookups (``callers`` walks the caller frames through them; issue 25 measured the cold
+rebuild at ~42 µs a call inside a training step: docs/benchmarks.md, "Recording"). The file
 names are ``portspeed.comm.trace_files``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["OPS", "WRITE_THROUGH_FIELDS", "VERSION"]
+__all__ = ["OPS", "Op", "WRITE_THROUGH_FIELDS", "VERSION", "callers", "write_through_line"]
 
 #: the fields of a write-through line, in order (frame_*: the caller's frame)
 WRITE_THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", "p2p_seq_id", "profiling_name",
@@ -21,9 +22,22 @@ WRITE_THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", 
 #: the dump format's version (torch 2.13's flight recorder writes "2.10")
 VERSION = "2.10"
 
-# name -> (input position, input keyword, output position, output keyword, group position,
-#          peer position, peer keyword, flight-recorder op name); -1: none
-OPS: dict[str, tuple[int, str, int, str, int, int, str, str]] = {
+
+class Op(NamedTuple):
+    """Where a ``torch.distributed`` function keeps its tensors, group and peer (-1: none), and torch's name for it."""
+
+    input_pos: int
+    input_kw: str
+    output_pos: int
+    output_kw: str
+    group_pos: int
+    peer_pos: int
+    peer_kw: str
+    fr_name: str  # the flight recorder's op name
+
+
+#: name -> where its arguments are (rows as Op's fields, in order)
+OPS: dict[str, Op] = {k: Op(*v) for k, v in {
     "all_reduce": (0, "tensor", 0, "tensor", 2, -1, "", "all_reduce"),
     "reduce": (0, "tensor", 0, "tensor", 3, -1, "", "reduce"),
     "reduce_scatter_tensor": (1, "input", 0, "output", 3, -1, "", "_reduce_scatter_base"),
@@ -42,7 +56,7 @@ OPS: dict[str, tuple[int, str, int, str, int, int, str, str]] = {
     "isend": (0, "tensor", 0, "tensor", 2, 1, "dst", "send"),
     "recv": (0, "tensor", 0, "tensor", 2, 1, "src", "recv"),
     "irecv": (0, "tensor", 0, "tensor", 2, 1, "src", "recv"),
-}
+}.items()}
 
 #: c10 scalar type names, as torch's dumps spell dtypes
 _DTYPES = {"float32": "Float", "float16": "Half", "bfloat16": "BFloat16", "float64": "Double", "int64": "Long",
@@ -109,3 +123,34 @@ def _site(code: Any, f: Any) -> tuple:
     frame = {"name": code.co_name, "filename": code.co_filename, "line": f.f_lineno}
     site = _SITES[(id(code), f.f_lasti)] = (code, frame, ", ".join(map(repr, frame.values())))
     return site
+
+
+
+def callers(f: Any, torch_dir: str) -> tuple[list, str, tuple | None]:
+    """The caller frames from ``f`` up, past ``torch_dir`` (``torch.distributed``'s folder: all_gather_object & co
+    call the recorded functions); the function there that made the call ("" if none); the first frame's site row."""
+    frames, via = [], ""
+    while f is not None and f.f_code.co_filename.startswith(torch_dir):
+        if f.f_code.co_name not in ("wrapper", "_fn"):  # torch's logging / compile decorators
+            via = f.f_code.co_name
+        f = f.f_back
+    site = None
+    while f is not None and len(frames) < _FRAMES:
+        code = f.f_code
+        s = _SITES.get((id(code), f.f_lasti))
+        if s is None or s[0] is not code:
+            s = _site(code, f)
+        if site is None:
+            site = s
+        frames.append(s[1])
+        f = f.f_back
+    return frames, via, site
+
+def write_through_line(e: dict) -> str:
+    """An entry's write-through line, by definition: the repr of its ``WRITE_THROUGH_FIELDS`` tuple (repr is C-fast,
+    json is not). ``Recorder.issue`` builds the same line from its caches; tests hold it to this one."""
+    f = e["frames"][0] if e["frames"] else {"name": "?", "filename": "?", "line": 0}
+    pg = e["process_group"]
+    return repr((e["record_id"], pg[0], pg[1], e["collective_seq_id"], e["p2p_seq_id"], e["profiling_name"],
+                 e["input_sizes"], e["input_dtypes"], e["output_sizes"], e["output_dtypes"], e["time_created_ns"],
+                 e["is_p2p"], e["ps_peer"], e["ps_ranks"], e["ps_op"], f["name"], f["filename"], f["line"]))

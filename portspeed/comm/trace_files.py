@@ -1,4 +1,4 @@
-"""The flight recorder's files and settings by name: what the ranks write into the dump folder and what the launcher reads.
+"""The flight recorder's files and settings by name: what the ranks write into the dump folder, what the launcher reads.
 
 Why a module of its own: the ranks (the recorder, ``portspeed.comm.trace``, and `portspeed run`'s
 worker) write these files and the launcher's watchdog (``portspeed.cli.hang_watch``) reads them in a

@@ -12,7 +12,7 @@ This kit is what a vendor (or a user) runs on its own machine against any adapte
   with ``"nccl"`` requested, on device tensors, value for value against a single-process
   reference (gaps the adapter declares are rewritten; a gap it does not declare is reported as
   the ``BackendGaps`` field to write, and with ``--declared-gaps`` a declared one the library
-  does not have as one that can go: ``gaps``);
+  does not have as one that can go: ``gaps``; the calls each rank makes: ``collective_cases``);
 - ``training``: the example GPT trainer (megatron-core, TP2 on 2 ranks, fp32) compared with
   the CPU loss record shipped in this package.
 - ``bandwidth`` (only when named): each collective's algorithm and bus bandwidth by message and group size,

@@ -147,8 +147,9 @@ def raw_declared(r: Any, caps: Any, declared: Any) -> None:
     seen: dict[int, list[str]] = {}
     for gap in caps.gaps:
         did = _run_raw(r, gap)
-        name = (f"raw {gap.collective} {'flat output' if gap.collective == CHUNK_SHAPED else gap.op.name if gap.op else 'SUM'}"
-                f" {str(gap.dtype or ('torch.int64' if gap.op in BITWISE_OPS else 'torch.float32'))[6:]}")
+        what = "flat output" if gap.collective == CHUNK_SHAPED else gap.op.name if gap.op else "SUM"
+        dtype = str(gap.dtype or ("torch.int64" if gap.op in BITWISE_OPS else "torch.float32"))[6:]
+        name = f"raw {gap.collective} {what} {dtype}"
         item = owner.get((gap.collective, gap.op, gap.dtype))
         if item is not None:
             seen.setdefault(item, []).append(f"{name} {did}")
@@ -160,7 +161,8 @@ def raw_declared(r: Any, caps: Any, declared: Any) -> None:
         calls = seen.get(i, [])
         needed = any(c.endswith((" raised", " was wrong")) for c in calls) or all(
             c.endswith(" off the root") for c in calls)
-        r.results.append({"check": f"raw declared {_item_source(declared, field, items[i][1])}: the raw backend shows it",
+        source = _item_source(declared, field, items[i][1])
+        r.results.append({"check": f"raw declared {source}: the raw backend shows it",
                           "ok": needed, "item": i, "detail": "" if needed else "the declaration can go (each declared "
                           f"gap costs a rewrite): {'; '.join(calls)}"})
 

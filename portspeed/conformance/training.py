@@ -87,7 +87,7 @@ def run_training_check(adapter: str, report: Report) -> None:
 
 
 def write_golden() -> Path:
-    """Record the CPU losses for the installed megatron-core (maintainers: ``python -m portspeed.conformance.training``)."""
+    """Record the CPU losses for the installed megatron-core (maintainers run this module: ``python -m ...``)."""
     from portspeed.versions import distribution_version
 
     losses = train("cpu")

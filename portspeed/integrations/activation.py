@@ -21,8 +21,8 @@ Contract
   from ``activate`` propagates from the ``import`` statement that fired it; the adaptor's
   ``activate()`` can be called again to retry.
 - ``activate_waiting()`` runs every trigger that has not fired (``portspeed.report()``
-  calls it, registered here with ``portspeed.before_report``, so a report shows what the
-  framework's import would do); ``waiting()`` names the adaptors still waiting.
+  calls it, registered with ``portspeed.before_report`` by the first ``defer``, so a report shows
+  what the framework's import would do); ``waiting()`` names the adaptors still waiting.
 - Until it fires, a trigger costs a read of the prefixes and a prefix test per module import
   (about 1 µs).
 """
@@ -97,6 +97,7 @@ def defer(name: str, prefixes: Callable[[], tuple[str, ...]], activate: Callable
         cancel(name)
         activate()
         return True
+    portspeed.before_report(activate_waiting)  # the package root imports nothing above the engine: it is told
     trigger = _FirstImportTrigger(name, prefixes, activate)
     with _lock:
         cancel(name)
@@ -126,5 +127,3 @@ def activate_waiting() -> None:
     for trigger in pending:
         trigger.fire()
 
-
-portspeed.before_report(activate_waiting)  # the package root imports nothing above the engine: it is told

@@ -1,8 +1,9 @@
-"""The DeepSpeed integration: its patch set, accelerator hook, and the set-up `import portspeed.deepspeed_adaptor` arranges.
+"""The DeepSpeed integration: its patch set, accelerator hook, and the set-up ``portspeed.deepspeed_adaptor`` arranges.
 
-Importing it validates the PORTSPEED_* environment and arranges for ``activate()`` to run
-when ``deepspeed`` is first imported, before DeepSpeed's code runs; at once when DeepSpeed
-is already imported (``portspeed.integrations.activation``). ``activate()``
+Importing this module does nothing but define. ``defer_activation()`` (what the adaptor's import
+calls) validates the PORTSPEED_* environment and arranges for ``activate()`` to run when
+``deepspeed`` is first imported, before DeepSpeed's code runs; at once when DeepSpeed is
+already imported (``portspeed.integrations.activation``). ``activate()``
 - registers ``portspeed.patches.deepspeed`` and, when the collective router is installed,
   ``portspeed.patches.torch_distributed`` into ``portspeed.manager()`` and applies them
   (lazily: each waits for the import of its module);
@@ -37,8 +38,6 @@ import threading
 import types
 from typing import TYPE_CHECKING, Any
 
-from portspeed import config
-
 from portspeed.integrations import activation
 from portspeed.accelerator import preflight
 from portspeed.errors import ConfigError
@@ -46,9 +45,9 @@ from portspeed.errors import ConfigError
 if TYPE_CHECKING:
     from portspeed.patching.record import Patch
 
-__all__ = ["activate", "deactivate", "deepspeed_patches", "ds_accelerator_for_adapter"]
+__all__ = ["activate", "deactivate", "deepspeed_patches", "defer_activation", "ds_accelerator_for_adapter"]
 
-#: the public entry point this set-up is known by (``portspeed.activation.waiting()``, `portspeed run`)
+#: the public entry point this set-up is known by (``portspeed.integrations.activation.waiting()``, `portspeed run`)
 ADAPTOR = "portspeed.deepspeed_adaptor"
 
 log = logging.getLogger("portspeed.deepspeed")
@@ -147,6 +146,11 @@ def _deepspeed_prefixes() -> tuple[str, ...]:
     return ("deepspeed",)
 
 
-# A bad PORTSPEED_* value fails here, at the import, not at DeepSpeed's.
-preflight.check_settings()
-activation.defer(ADAPTOR, _deepspeed_prefixes, activate)
+
+def defer_activation() -> None:
+    """Check the PORTSPEED_* settings, then run ``activate`` at DeepSpeed's first import (at once if it is imported).
+
+    A bad PORTSPEED_* value fails here, at the adaptor's import, not at DeepSpeed's.
+    """
+    preflight.check_settings()
+    activation.defer(ADAPTOR, _deepspeed_prefixes, activate)

@@ -38,8 +38,8 @@ HINTS = {
     "async_io": "DeepSpeed's async I/O op needs libaio's headers and library: on Debian/Ubuntu run "
                 "`apt-get install -y libaio-dev` as root (or `make sysdeps`); elsewhere install libaio's development "
                 "package, or point CFLAGS/LDFLAGS at a libaio built from source",
-    "cpu_adam": "DeepSpeed's CPU Adam op needs a C++ compiler and ninja: install g++ (Debian: `apt-get install -y g++`) "
-                "and `pip install ninja`",
+    "cpu_adam": "DeepSpeed's CPU Adam op needs a C++ compiler and ninja: install g++ "
+                "(Debian: `apt-get install -y g++`) and `pip install ninja`",
     "deepspeed_shm_comm": "DeepSpeed's shared-memory comm op needs a C++ compiler and ninja: install g++ and "
                           "`pip install ninja`",
 }

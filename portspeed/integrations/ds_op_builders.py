@@ -75,7 +75,7 @@ _names: list[frozenset[str]] = []
 
 
 def host_builder(builder: type) -> type:
-    """DeepSpeed's host builder class, or (for ``INSTALL_HINTS``) a subclass whose ``load`` fails naming what to install.
+    """DeepSpeed's host builder class, or (``INSTALL_HINTS``) a subclass whose ``load`` fails naming what to install.
 
     DeepSpeed's own ``load`` on a machine without libaio raises "Unable to JIT load the async_io
     op due to it not being compatible due to hardware/software issue. None", which says

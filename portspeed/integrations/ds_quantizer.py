@@ -28,8 +28,9 @@ Semantics, as DeepSpeed 0.19's ``csrc/quantization`` computes them (read, not co
 Band, against DeepSpeed's own kernels built from its sources on an H100 (``benchmarks/check_ds_quantizer_cuda.py``,
 docs/deepspeed.md): integer codes equal but for about 1 in 10^5 one step apart (DeepSpeed's ``--use_fast_math``
 division where ``x * s`` lies within an ulp of a rounding boundary), stored scales within 2e-7 relative,
-dequantized fp16 values bit-equal (after a reduction 99%, the rest one fp16 ulp or one code apart). One difference is kept on purpose: DeepSpeed's asymmetric
-``quantized_reduction`` reads tensor j's parameters at ``j * groups`` floats, half their offset (this module
+dequantized fp16 values bit-equal (after a reduction 99%, the rest one fp16 ulp or one code apart). One difference is
+kept on purpose: DeepSpeed's asymmetric ``quantized_reduction`` reads tensor j's parameters at ``j * groups`` floats,
+half their offset (this module
 reads them where they are); qgZ uses the symmetric one. Limits: groups of a multiple of 8 elements
 (DeepSpeed's 16-byte loads read past other sizes), int4 needs an even group size. DeepSpeed's inference-only
 ``dequantize_int*_to_half_experimental`` are not provided.

@@ -1,8 +1,9 @@
 """The Megatron integration: its patch set, and the set-up ``import portspeed.megatron_adaptor`` arranges.
 
-Importing it validates the PORTSPEED_* environment and arranges for ``activate()`` to run
-when the first framework module (``megatron``, or a prefix in PORTSPEED_FRAMEWORK_MODULES)
-is imported, before that module's code runs; at once when Megatron is already imported
+Importing this module does nothing but define. ``defer_activation()`` (what the adaptor's import
+calls) validates the PORTSPEED_* environment and arranges for ``activate()`` to run when the first
+framework module (``megatron``, or a prefix in PORTSPEED_FRAMEWORK_MODULES) is imported, before
+that module's code runs; at once when Megatron is already imported
 (``portspeed.integrations.activation``). ``activate()``
 - scopes the torch / torch.cuda translation onto Megatron's modules
   (``portspeed.accelerator.translation.enable``; nothing is translated on a CUDA adapter);
@@ -16,38 +17,33 @@ up first if Megatron was not imported yet). A program that calls ``torch.distrib
 with a backend the device lacks (``init_process_group("nccl")`` on CPU) *before* importing
 Megatron calls ``portspeed.megatron_adaptor.activate()`` first.
 
-Also here: ``open_loss_log``, a writer of the JSON loss record (``PORTSPEED_LOSS_LOG`` or an
-explicit path; format owned by ``portspeed.parity.losslog``) that the compare tool reads::
-
-    {"meta": {"backend", "accelerator", "layout": {"tp", "pp", "dp", "vpp"}, "dtype", "versions"},
-     "iterations": [{"iteration": n, "lm_loss": x, "grad_norm": y, "skipped": false}]}
+A training script's JSON loss record is written by ``portspeed.parity.losslog.open_loss_log``.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from portspeed import config
-
-from portspeed.integrations import activation
 from portspeed.accelerator import preflight
-
 from portspeed.accelerator import scope as framework_modules
+from portspeed.integrations import activation
 from portspeed.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from portspeed.patching.record import Patch
 
-__all__ = ["activate", "deactivate", "loss_record_meta", "megatron_patches", "note_fallback", "open_loss_log"]
+__all__ = ["activate", "deactivate", "defer_activation", "megatron_patches", "note_fallback"]
 
-#: the public entry point this set-up is known by (``portspeed.activation.waiting()``, `portspeed run`)
+#: the public entry point this set-up is known by (``portspeed.integrations.activation.waiting()``, `portspeed run`)
 ADAPTOR = "portspeed.megatron_adaptor"
 
 log = logging.getLogger("portspeed.megatron")
 
 # note_fallback lives beside the patches; re-exported on first use, so the adaptor's import stays cheap
 __getattr__, __dir__ = lazy_exports(__name__, {"note_fallback": "portspeed.patches.megatron.core_common"})
+
 
 def megatron_patches() -> list[Patch]:
     """torch_cuda + router + Megatron patches (+ the probe's when PORTSPEED_PROBE_DIR is set, the perf recording's
@@ -111,37 +107,12 @@ def deactivate() -> None:
     translation.disable()
 
 
-def loss_record_meta(layout: dict[str, Any], dtype: str, backend: str | None = None) -> dict[str, Any]:
-    """The ``meta`` block of a loss record for this process (adapter, backend, versions)."""
-    from portspeed.accelerator import get_accelerator
-    from portspeed.versions import distribution_version
+def defer_activation() -> None:
+    """Check the PORTSPEED_* settings, then run ``activate`` at Megatron's first import (at once if it is imported).
 
-    acc = get_accelerator()
-    versions = {}
-    for d in ("torch", "megatron-core", "portspeed"):
-        v = distribution_version(d)
-        versions[d] = None if v is None else str(v)
-    return {
-        "backend": backend or acc.communication_backend,
-        "accelerator": acc.name,
-        "layout": {k: (None if layout.get(k) is None else int(layout[k])) for k in ("tp", "pp", "dp", "vpp")},
-        "dtype": dtype,
-        "versions": versions,
-    }
-
-
-def open_loss_log(path: str | None, layout: dict[str, Any], dtype: str, backend: str | None = None) -> Any:
-    """A ``portspeed.parity.losslog.LossRecordWriter`` for ``path`` (or PORTSPEED_LOSS_LOG); None when neither is set."""
-    path = path or config.settings().loss_log
-    if not path:
-        return None
-    from portspeed.parity.losslog import LossRecordWriter
-
-    return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend))
-
-
-# A bad PORTSPEED_* value fails here, at the import, not at Megatron's (and a bad
-# PORTSPEED_FRAMEWORK_MODULES too: defer() reads the prefixes at once).
-preflight.check_settings()
-config.check_findable_modules(framework_modules.FRAMEWORK_ENV, framework_modules.env_prefixes())
-activation.defer(ADAPTOR, framework_modules.framework_prefixes, activate)
+    A bad PORTSPEED_* value fails here, at the adaptor's import, not at Megatron's (and a bad
+    PORTSPEED_FRAMEWORK_MODULES too: ``defer`` reads the prefixes at once).
+    """
+    preflight.check_settings()
+    config.check_findable_modules(framework_modules.FRAMEWORK_ENV, framework_modules.env_prefixes())
+    activation.defer(ADAPTOR, framework_modules.framework_prefixes, activate)

@@ -4,7 +4,7 @@ Layer: beside the engine, depending only on the foundation (``portspeed.errors``
 imports torch at package import, a device adapter, a patch or a framework, so a
 comparison can run anywhere the records can be read.
 
-- ``losslog``        Megatron log parsing and JSON loss records.
+- ``losslog``        Megatron log parsing and JSON loss records (read, and written: ``open_loss_log``).
 - ``tolerance``      tolerance bands, first divergence, largest deviation.
 - ``compare``        `portspeed compare`.
 - ``runspec``        specs that launch a backend x layout matrix of runs.
@@ -12,7 +12,6 @@ comparison can run anywhere the records can be read.
 - ``probe_layout``   a run's probe entries put on the reference's layout (split joined, copies kept apart).
 - ``probe_bands``    bands per statistic, scaled to the tensor, per dtype and kind of pair.
 - ``probe_compare``  `portspeed compare --probe REF RUN`: the first divergence in one line.
-- ``layerstats``     retired: its names say what replaced them (probe dumps).
 - ``plot``           loss curves (matplotlib, optional).
 - ``pytest_plugin``  the ``pytest11`` entry point: loss-parity fixtures.
 """

@@ -67,7 +67,7 @@ def _foreign(path: Path) -> str | None:
 
 
 def check_complete(path: str | os.PathLike) -> None:
-    """Raise CheckpointError unless ``path`` is a whole torch_dist checkpoint (every shard the metadata names, full size)."""
+    """Raise CheckpointError unless ``path`` is a whole torch_dist checkpoint (each shard its metadata names, whole)."""
     path = Path(path)
     meta = path / "metadata.json"
     if not meta.is_file():
@@ -95,7 +95,8 @@ def check_complete(path: str | os.PathLike) -> None:
     try:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as exc:  # a truncated pickle: EOFError, UnpicklingError, ...
-        raise CheckpointError(f"{dcp_meta} cannot be read ({type(exc).__name__}): the checkpoint is truncated") from None
+        raise CheckpointError(
+            f"{dcp_meta} cannot be read ({type(exc).__name__}): the checkpoint is truncated") from None
     need: dict[str, int] = {}
     for info in storage.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))

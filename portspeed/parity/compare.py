@@ -81,7 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "PORTSPEED_BANDWIDTH, else ~/.cache/portspeed/bandwidth.json)")
     p.add_argument("--png", default=None, metavar="FILE",
                    help="--perf: also draw the shares as a PNG (REF beside RUN; one RUN: per rank; needs matplotlib)")
-    p.add_argument("--layers", action="store_true", help="replaced by --probe (docs/accuracy.md)")
     return p
 
 
@@ -264,10 +263,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # argparse already printed the usage error
         return EXIT_BAD_INPUT if e.code else EXIT_OK
-    if args.layers:
-        from portspeed.parity.layerstats import REPLACED_BY
-        print(f"portspeed compare: error: {REPLACED_BY}", file=err)
-        return EXIT_BAD_INPUT
     if args.perf:
         return _main_perf(args, out, err)
     if any(v is not None for v in (args.threshold, args.chrome, args.bandwidth, args.png)):

@@ -1,5 +1,7 @@
 """Loss records: read Megatron training logs and portspeed JSON loss records, write records.
 
+A training script writes its record with ``open_loss_log`` (``PORTSPEED_LOSS_LOG`` or an explicit path).
+
 A *loss record* is the one thing `portspeed compare` compares. It is a JSON file::
 
     {"meta": {"backend": "gloo", "accelerator": "cpu", "layout": {"tp": 2, "pp": 1, "dp": 1, "vpp": null},
@@ -38,22 +40,12 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from portspeed.errors import PortspeedError
 
-__all__ = [
-    "IterationLoss",
-    "LossRecord",
-    "LossLogError",
-    "LossRecordWriter",
-    "parse_megatron_log",
-    "read_record",
-    "record_from_json",
-    "write_record",
-    "DTYPES",
-    "normalize_dtype",
-]
+__all__ = ["IterationLoss", "LossRecord", "LossLogError", "LossRecordWriter", "loss_record_meta", "open_loss_log",
+           "parse_megatron_log", "read_record", "record_from_json", "write_record", "DTYPES", "normalize_dtype"]
 
 
 class LossLogError(PortspeedError, ValueError):
@@ -159,7 +151,8 @@ def _decode_float(x: Any, what: str, source: str) -> float | None:
 # "iteration       10/     100 |" (stock) or "iteration 10 |" (example trainer)
 _ITER = re.compile(r"\biteration\s+(\d+)\s*(?:/\s*(\d+))?\s*\|")
 # " key: value |" fields; values like 1.083200E+01, 4.123, nan, 4294967296.0, 12
-_FIELD = re.compile(r"\|?\s*([A-Za-z][A-Za-z0-9_ ()/\-.]*?):\s*([-+]?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|NAN|NaN|inf|INF|Inf))\s*(?=\||$)")
+_FIELD = re.compile(r"\|?\s*([A-Za-z][A-Za-z0-9_ ()/\-.]*?):\s*"
+                    r"([-+]?(?:[0-9.]+(?:[eE][-+]?\d+)?|nan|NAN|NaN|inf|INF|Inf))\s*(?=\||$)")
 
 # evaluation lines (" validation loss at iteration 10 | lm loss value: ...") are not training losses
 _EVAL = re.compile(r"\b(?:validation|test)\b[^|]*\bloss at\b")
@@ -296,7 +289,8 @@ def read_record(path: str | os.PathLike[str]) -> LossRecord:
     except OSError as e:
         raise LossLogError(f"{p}: cannot be read ({e})") from e
     if "\x00" in text[:4096]:
-        raise LossLogError(f"{p}: unknown format (a binary file); give a Megatron log, a JSON loss record or a JSON run spec")
+        raise LossLogError(
+            f"{p}: unknown format (a binary file); give a Megatron log, a JSON loss record or a JSON run spec")
     stripped = text.lstrip()
     if stripped.startswith("{"):
         try:
@@ -366,6 +360,34 @@ class LossRecordWriter:
         return write_record(self.record, self.path)
 
 
-def iter_records(paths: Iterable[str | os.PathLike[str]]) -> list[LossRecord]:
-    """read_record over several paths (convenience for tools)."""
-    return [read_record(p) for p in paths]
+def loss_record_meta(layout: Mapping[str, Any], dtype: str, *, backend: str, accelerator: str) -> dict[str, Any]:
+    """The ``meta`` block of a loss record: the adapter and backend the caller names, this process's versions."""
+    from portspeed.versions import distribution_version
+
+    versions = {}
+    for d in ("torch", "megatron-core", "portspeed"):
+        v = distribution_version(d)
+        versions[d] = None if v is None else str(v)
+    return {
+        "backend": backend,
+        "accelerator": accelerator,
+        "layout": {k: (None if layout.get(k) is None else int(layout[k])) for k in ("tp", "pp", "dp", "vpp")},
+        "dtype": dtype,
+        "versions": versions,
+    }
+
+
+def open_loss_log(path: str | None, layout: Mapping[str, Any], dtype: str, *, backend: str,
+                  accelerator: str) -> LossRecordWriter | None:
+    """A writer for ``path`` (or PORTSPEED_LOSS_LOG) whose meta names ``backend`` and ``accelerator``; None when
+    neither path is set. A training script calls it on the rank that reports the loss::
+
+        writer = open_loss_log(args.loss_log, {"tp": 2, "pp": 1, "dp": 2, "vpp": None}, "bf16",
+                               backend=dist.get_backend(), accelerator=portspeed.get_accelerator().name)
+    """
+    from portspeed import config
+
+    path = path or config.settings().loss_log
+    if not path:
+        return None
+    return LossRecordWriter(path, meta=loss_record_meta(layout, dtype, backend=backend, accelerator=accelerator))

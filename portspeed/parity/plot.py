@@ -59,7 +59,8 @@ def plot_comparisons(comps: Sequence[Comparison], path: str | Path) -> Path:
         # zero differences are drawn at one floor below every nonzero one (log axis), not dropped
         pos = [r.abs_diff for c in mc for r in c.rows if r.abs_diff]
         floor = min(pos + [mc[0].tolerance.atol or 1e-12]) / 10
-        top.plot(xs, [_nan_to_none(r.ref) for r in rows0], "k-", lw=2, label=f"reference: {Path(mc[0].reference.source).name}")
+        top.plot(xs, [_nan_to_none(r.ref) for r in rows0], "k-", lw=2,
+                 label=f"reference: {Path(mc[0].reference.source).name}")
         for i, c in enumerate(mc, 1):
             line = top.plot(xs, [_nan_to_none(r.value) for r in c.rows], "--", lw=1.2,
                             label=f"run {i}: {Path(c.run.source).name}")[0]

@@ -8,9 +8,10 @@ one outside its band is where the runs part.
 Contract: both dumps are read (`probe_format`), put on the reference's layout (`probe_layout`) and
 judged tensor by tensor (`probe_bands`) in a fixed order: iteration, micro-batch, forward by global
 layer number, then backward in reverse, then parameter gradients (in backward order), then the
-parameters after the step. The report's first line is exactly::
+parameters after the step. The report's first line is exactly (one line; folded here)::
 
-    first divergence: iteration I, micro-batch M, forward|backward, <module path> [op <name> #k], rank R: <statistic> ref X run Y (band B)
+    first divergence: iteration I, micro-batch M, forward|backward, <module path> [op <name> #k], rank R:
+        <statistic> ref X run Y (band B)
 
 (``no divergence: ...`` when all agree), then the context: the last agreeing tensors, the next
 differing ones, that module's parameter and gradient entries, what was not compared and why, and

@@ -309,7 +309,8 @@ def _place(slot: Slot, recs: list[_Record], kind: str, dump: ProbeDump) -> Side:
                         "identical layouts")
         return side
     if layout not in ("full", "split"):
-        side.refused = f"no layout rule for {_what(e0)} (ps_layout {layout!r}): how it is spread over the ranks is unknown"
+        side.refused = (f"no layout rule for {_what(e0)} (ps_layout {layout!r}): "
+                        "how it is spread over the ranks is unknown")
         return side
     aggregate = slot.call == -1
     union = set(grp) if layout == "split" else set()

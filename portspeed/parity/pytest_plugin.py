@@ -5,12 +5,12 @@ Fixtures:
 ``portspeed_launch(script, *args, nproc=2, timeout=None, env=None, name=None, adaptor=None, probe=None) -> LossRecord``
     Runs ``script`` under ``torch.distributed.run`` with ``nproc`` ranks on 127.0.0.1 and a
     free port (``nproc=None``: one plain process; ``adaptor="megatron"`` etc.: through
-    ``portspeed run --adaptor``, so an unmodified script gets the adaptor in every worker), ``OMP_NUM_THREADS=1``, killed after
-    ``timeout`` seconds (default: PORTSPEED_TIMEOUT, 300). The script writes its loss record
+    ``portspeed run --adaptor``, so an unmodified script gets the adaptor in every worker), ``OMP_NUM_THREADS=1``,
+    killed after ``timeout`` seconds (default: PORTSPEED_TIMEOUT, 300). The script writes its loss record
     to ``PORTSPEED_LOSS_LOG`` (also substituted for ``{record}`` in ``args``) or prints
-    Megatron iteration lines (literal braces in ``args`` are written ``{{ }}``). Logs are kept under pytest's temporary directory; a failed or
-    hung run fails the test with the log's last lines and its path. ``probe=True`` (a fresh folder)
-    or ``probe=DIR`` records a probe dump (``PORTSPEED_PROBE_DIR``; also read from ``env``); the
+    Megatron iteration lines (literal braces in ``args`` are written ``{{ }}``). Logs are kept under pytest's temporary
+    directory; a failed or hung run fails the test with the log's last lines and its path. ``probe=True`` (a fresh
+    folder) or ``probe=DIR`` records a probe dump (``PORTSPEED_PROBE_DIR``; also read from ``env``); the
     returned record remembers where (``probe_dir``).
 
 ``assert_losses_match(actual, expected, *, atol=None, rtol=None, dtype=None, metric="lm_loss", probes=None)``

@@ -19,8 +19,8 @@ iteration lines is read from its log instead, so stock Megatron-LM runs work too
                          "layout": [{"tp": 2, "pp": 1, "nproc": 2}, {"tp": 1, "pp": 2, "nproc": 2}]}}}
 
 ``setup`` (same form as ``runs``) lists commands run first whose output is not compared,
-e.g. writing the checkpoint every layout loads. Runs listed under ``runs`` come first, then the matrix's product in axis order; the first
-run is the reference unless ``"reference": NAME`` says otherwise. Placeholders:
+e.g. writing the checkpoint every layout loads. Runs listed under ``runs`` come first, then the matrix's product in axis
+order; the first run is the reference unless ``"reference": NAME`` says otherwise. Placeholders:
 ``{python}`` (this interpreter), ``{record}``, ``{port}`` (a free 127.0.0.1 port), ``{name}``,
 ``{workdir}``, and the matrix axes (an axis whose values are objects contributes their keys).
 Runs are started one after another (the test machines have two cores), each in its own
@@ -39,7 +39,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Mapping, TextIO
 
 from portspeed.errors import PortspeedError
 from portspeed.parity.losslog import LossLogError, LossRecord, parse_megatron_log, read_record
@@ -296,8 +296,3 @@ def run_spec(spec: Spec, workdir: str | os.PathLike[str], progress: TextIO | Non
         assert rec is not None
         out.append(rec)
     return out
-
-
-def expand_names(spec: Spec) -> Sequence[str]:
-    """The run names in launch order (for listings)."""
-    return [r.name for r in spec.runs]

@@ -131,7 +131,8 @@ def install_many(table: Targets, records: Iterable[PatchRecord], targets: list[s
             r.status, r.detail = "applied", ""
         st.chain, st.installed_raw, st.installed_value = chain, new_raw, new_value
         for old in (st.original_value, previous):
-            if old is not MISSING and old is not None and old is not new_value:  # None: an empty slot, not a stale alias
+            # None: an empty slot, not a stale alias
+            if old is not MISSING and old is not None and old is not new_value:
                 replaced[id(old)] = (old, st)
     if failed and config.settings().strict:
         for st, old_raw, old_value, old_chain in reversed(done):

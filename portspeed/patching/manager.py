@@ -249,7 +249,7 @@ class PatchManager:
                 self._hooks.hook(m, self._on_import)
 
     def _gate(self, records: list[PatchRecord]) -> dict[str, list[PatchRecord]]:
-        """Set each record's status with ``gate()`` (the same function `portspeed info` uses); group the survivors by module."""
+        """Set each record's status with ``gate()`` (as `portspeed info` does); group the survivors by module."""
         settings = config.settings()
         by_module: dict[str, list[PatchRecord]] = {}
         seen = VersionCache()

@@ -104,7 +104,8 @@ class Patch:
             if self.target != FINDER_TARGET or not callable(getattr(self.impl, "find_spec", None)):
                 raise PatchDefinitionError(
                     f"patch {self.name!r}: a finder patch has target {FINDER_TARGET!r} and an impl with "
-                    f"find_spec() (an importlib.abc.MetaPathFinder), got {self.target!r} and {type(self.impl).__name__}")
+                    f"find_spec() (an importlib.abc.MetaPathFinder), got {self.target!r} and "
+                    f"{type(self.impl).__name__}")
             if self.placement not in ("first", "last"):
                 raise PatchDefinitionError(f"patch {self.name!r}: placement must be 'first' or 'last', "
                                            f"not {self.placement!r}")

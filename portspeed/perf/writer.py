@@ -21,10 +21,10 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
 The session adds the link's key: ``"adapter"``, ``"backend"`` (the default group's real backend) and
 ``"host"``, which ``portspeed compare --perf`` looks up in the link bandwidth table (``parity.perf_links``).
 ``spans`` lists every call as ``[path, phase, start_ms, end_ms]`` from the iteration's start (for a Chrome
-trace: ``portspeed compare --perf RUN --chrome FILE``). ``parts`` has one row per (module path, phase), summed over micro-batches and calls, plus two rows for
-the time outside every module: ``(outside-modules)`` (phase ``forward-backward``: the schedule, the loss
-function, pipeline transfers) and ``(optimizer)`` (phase ``step``: from the schedule's return to the
-iteration's end).
+trace: ``portspeed compare --perf RUN --chrome FILE``). ``parts`` has one row per (module path, phase), summed over
+micro-batches and calls, plus two rows for the time outside every module: ``(outside-modules)`` (phase
+``forward-backward``: the schedule, the loss function, pipeline transfers) and ``(optimizer)`` (phase ``step``: from the
+schedule's return to the iteration's end).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""portspeed's portable Transformer Engine: the part of ``transformer_engine.pytorch`` Megatron-Core calls, on plain torch.
+"""portspeed's portable Transformer Engine: what Megatron-Core calls of ``transformer_engine.pytorch``, on plain torch.
 
 Why: Megatron-LM's default ``--transformer-impl transformer_engine`` builds every GPT layer from
 Transformer Engine modules, and NVIDIA's TE has no build off CUDA. This plugin implements the

@@ -99,12 +99,13 @@ class DotProductAttention(PortableModule):
                                         options.pop("cp_stream", None), options.pop("cp_comm_type", "p2p"))
         refuse_if(window_size not in (None, (-1, -1), (-1, 0)), "sliding-window attention (--window-size)",
                   "drop --window-size")
-        refuse_if(options.pop("softmax_type", "vanilla") != "vanilla", "softmax types other than vanilla (--softmax-type)",
-                  "use --softmax-type vanilla")
+        refuse_if(options.pop("softmax_type", "vanilla") != "vanilla",
+                  "softmax types other than vanilla (--softmax-type)", "use --softmax-type vanilla")
         refuse_if(options.pop("return_max_logit", False), "max attention logits (--qk-clip, --log-max-attention-logit)",
                   "drop --qk-clip / --log-max-attention-logit")
         for key, value in options.items():
-            refuse_if(value is not None, f"the Transformer Engine attention option {key}={value!r}", f"do not pass {key}")
+            refuse_if(value is not None, f"the Transformer Engine attention option {key}={value!r}",
+                      f"do not pass {key}")
         if qkv_format not in ("sbhd", "bshd", "thd"):
             refuse(f"qkv_format={qkv_format!r}", "use sbhd, bshd or thd")
         if attn_mask_type not in _MASK_TYPES:
@@ -132,7 +133,8 @@ class DotProductAttention(PortableModule):
             refuse(f"hierarchical context parallelism (cp_comm_type={cp_comm_type!r})",
                    "use --cp-comm-type p2p, all_gather or a2a")
         if cp_comm_type not in (None, "p2p", "all_gather", "a2a"):
-            refuse(f"context parallelism with cp_comm_type={cp_comm_type!r}", "use --cp-comm-type p2p, all_gather or a2a")
+            refuse(f"context parallelism with cp_comm_type={cp_comm_type!r}",
+                   "use --cp-comm-type p2p, all_gather or a2a")
         self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
         self.cp_size = comm.group_size(cp_group) if cp_group is not None else 1
 

@@ -42,7 +42,7 @@ def set_tp_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: 
 
 
 def tracker_fork(get_rng_state_tracker: Callable | None, name: str | None = None) -> Any:
-    """The RNG tracker's fork that TE initialises weights in (``name``: ``rng_tracker_name``); none without a tracker."""
+    """The RNG tracker's fork TE initialises weights in (``name``: ``rng_tracker_name``); none without a tracker."""
     if get_rng_state_tracker is None:
         return contextlib.nullcontext()
     tracker = get_rng_state_tracker()

@@ -44,7 +44,8 @@ __all__ = ["Linear", "LayerNormLinear", "check_linear_options", "linear_into_mai
 
 #: keyword -> (option as the user names it, how to avoid it)
 _REFUSED = {
-    "delay_wgrad_compute": ("delayed weight-gradient computation (--delay-wgrad-compute)", "drop --delay-wgrad-compute"),
+    "delay_wgrad_compute": ("delayed weight-gradient computation (--delay-wgrad-compute)",
+                            "drop --delay-wgrad-compute"),
     "symmetric_ar_type": ("symmetric-memory all-reduce (--symmetric-ar-type)", "drop --symmetric-ar-type"),
     "return_layernorm_output": ("LayerNormLinear(return_layernorm_output=True)", "use a spec without it"),
 }
@@ -159,7 +160,10 @@ class _ParallelLinear(PortableModule):
         else:
             out = F.linear(x, self.weight, self.bias if add_bias_inside else None)
         if self.parallel_mode == "row":
-            out = comm.reduce_scatter_sequence(out, group) if self.sequence_parallel else comm.reduce_from_group(out, group)
+            if self.sequence_parallel:
+                out = comm.reduce_scatter_sequence(out, group)
+            else:
+                out = comm.reduce_from_group(out, group)
             if self.bias is not None and not self.return_bias:
                 out = out + self.bias
         if self.return_bias:

@@ -138,8 +138,8 @@ SERVED = ("", "pytorch", "pytorch.fp8", "pytorch.distributed", "pytorch.ops", "p
 
 def build(version: str) -> dict[str, types.ModuleType]:
     """Full name -> module for every served ``transformer_engine`` module, reporting ``version``."""
-    fp8 = _module("transformer_engine.pytorch.fp8", "fp8 state (always off)", FP8GlobalStateManager=FP8GlobalStateManager,
-                  fp8_autocast=fp8_autocast, fp8_model_init=fp8_model_init)
+    fp8 = _module("transformer_engine.pytorch.fp8", "fp8 state (always off)",
+                  FP8GlobalStateManager=FP8GlobalStateManager, fp8_autocast=fp8_autocast, fp8_model_init=fp8_model_init)
     distributed = _module("transformer_engine.pytorch.distributed", "RNG tracker and activation recompute",
                           CudaRNGStatesTracker=rng.CudaRNGStatesTracker, checkpoint=rng.checkpoint)
     ops = _module("transformer_engine.pytorch.ops", "the operation API (refused)")

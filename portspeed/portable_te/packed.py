@@ -21,8 +21,8 @@ module's attention kernel per sequence, the same arithmetic.
   ``cp_comm_type`` ``p2p`` / ``a2a`` run the ring (``ring.py``, one ring for the whole token stream,
   each step attends every sequence to its own block) where ``ring.ring_serves`` allows;
   ``all_gather`` (and the ring's one fallback, a causal mask over unequal query and key lengths)
-  all-gathers keys and values over the CP group (gradients reduce-scattered back) and each sequence's queries attend to that sequence's
-  tokens from every rank, masked by global positions. Sequences padded differently from their real
+  all-gathers keys and values over the CP group (gradients reduce-scattered back) and each sequence's queries attend to
+  that sequence's tokens from every rank, masked by global positions. Sequences padded differently from their real
   length are refused with CP (each CP rank's slice of the padding would need TE's exact layout);
   every sequence length must be a multiple of ``2 cp`` (TE asserts the same).
 
@@ -47,7 +47,7 @@ _VARLEN: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> tor
 
 
 def cp_positions(local_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
-    """Global positions of CP rank ``rank``'s ``local_len`` tokens: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    """Global positions of CP rank ``rank``'s ``local_len`` tokens: chunks ``rank``, ``2 cp - 1 - rank`` of ``2 cp``."""
     if cp == 1:
         return torch.arange(local_len, device=device)
     if local_len % 2:
@@ -119,7 +119,8 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_typ
     With CP, ``cp_comm_type`` chooses ring or all-gather; the ring applies ``dropout_p`` (the dropout active in this
     call) itself, drawing inside ``rng_fork()`` (the module's RNG tracker fork, or None).
     """
-    refuse_if("arbitrary" in mask_type, "arbitrary attention masks with packed sequences", "use a causal or padding mask")
+    refuse_if("arbitrary" in mask_type, "arbitrary attention masks with packed sequences",
+              "use a causal or padding mask")
     causal = "causal" in mask_type
     sq_starts, sq_lens = _bounds(cu_seqlens_q, cu_seqlens_q_padded)
     sk_starts, sk_lens = _bounds(cu_seqlens_kv, cu_seqlens_kv_padded)

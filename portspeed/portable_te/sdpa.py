@@ -124,7 +124,7 @@ def attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_m
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None,
                         causal: str | None, scale: float, dropout_p: float) -> torch.Tensor:
-    """``kernel_ops.attention`` as TE's unfused path: ``softmax(q k^T * scale, masked = -10000)`` in fp32, then ``v``."""
+    """``kernel_ops.attention`` as TE's unfused path: ``softmax(q k^T * scale, masked = -10000) v``, in fp32."""
     hq, sq, sk = q.shape[1], q.shape[2], k.shape[2]
     k, v = _expand_heads(k, hq), _expand_heads(v, hq)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale

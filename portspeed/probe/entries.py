@@ -16,7 +16,7 @@ import fnmatch
 import math
 import os
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -42,7 +42,8 @@ def encode(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): encode(v) for k, v in value.items()}
     if isinstance(value, slice):
-        return {"type": "slice", "value": [None if v is None else int(v) for v in (value.start, value.stop, value.step)]}
+        bounds = (value.start, value.stop, value.step)
+        return {"type": "slice", "value": [None if v is None else int(v) for v in bounds]}
     if value is Ellipsis:
         return {"type": "ellipsis", "value": "..."}
     if isinstance(value, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
@@ -70,6 +71,20 @@ def _group(group: Any) -> dict[str, Any]:
     return {"type": "torch.ProcessGroup", "group_ranks": ranks}
 
 
+class _Flag(NamedTuple):
+    """A tensor watched for non-finite values (flags only): where its Max and Min are queued, and its record's place."""
+
+    slot: int | None  # in the statistics batch (None: an empty tensor)
+    numel: int
+    key: str  # the entry
+    field: str
+    index: int
+    base: dict[str, Any]  # the entry's ps_* fields
+    dtype: str
+    shape: list[int]
+    layout: dict | None
+
+
 class IterationRecord:
     """The entries of one iteration on one rank; ``full`` False records flags only (see the module docstring)."""
 
@@ -87,8 +102,7 @@ class IterationRecord:
         self._tensor_dir = tensor_dir
         self._saved: list[tuple[str, torch.Tensor]] = []
         self._pending: list[dict[str, Any]] = []  # tensor records whose statistics are queued
-        #: flags only: (slot, numel, key, field, index, ps_* fields, dtype, shape, layout) in the order queued
-        self.flags: list[tuple] = []
+        self.flags: list[_Flag] = []  # flags only, in the order queued
         self.meta_slots: dict[str, int] = {}  # run-meta values read with the statistics (a loss scale)
         #: id -> (the tensor, its version, its storage address, slot): a tensor seen again unchanged is not re-measured
         self._seen: dict[int, tuple[weakref.ref, int, int, int | None]] = {}
@@ -151,22 +165,22 @@ class IterationRecord:
              layout: dict | None = None) -> None:
         """Flags only: queue ``t``'s Max and Min as item ``index`` of ``field`` in entry ``key`` (whose ``ps_*``
         fields are ``base``); the entry is built only if the iteration turns out to hold a non-finite value."""
-        self.flags.append((self.slot(t), t.numel(), key, field, index, base, str(t.dtype), list(t.shape), layout))
+        self.flags.append(_Flag(self.slot(t), t.numel(), key, field, index, base, str(t.dtype), list(t.shape), layout))
 
     def _flag_entries(self, values: list[list[float]]) -> None:
         """The entries of a watched iteration, built from its flags (in the order they were queued)."""
-        for slot, n, key, field, index, base, dtype, shape, layout in self.flags:
-            entry = self.entries.get(key)
+        for f in self.flags:
+            entry = self.entries.get(f.key)
             if entry is None:
-                entry = self.add(key, dict(base))
-            rec: dict[str, Any] = {"type": "torch.Tensor", "dtype": dtype, "shape": shape}
-            if layout is not None:
-                rec["ps_layout"] = layout
-            rec.update(st.empty_stats() if slot is None else st.finish_flag(values[slot], n))
-            items = entry.setdefault(field, [])
-            while len(items) <= index:
+                entry = self.add(f.key, dict(f.base))
+            rec: dict[str, Any] = {"type": "torch.Tensor", "dtype": f.dtype, "shape": f.shape}
+            if f.layout is not None:
+                rec["ps_layout"] = f.layout
+            rec.update(st.empty_stats() if f.slot is None else st.finish_flag(values[f.slot], f.numel))
+            items = entry.setdefault(f.field, [])
+            while len(items) <= f.index:
                 items.append(None)
-            items[index] = rec
+            items[f.index] = rec
 
     def add(self, key: str, entry: dict[str, Any]) -> dict[str, Any]:
         """Put ``entry`` under ``key`` with its order and the iteration (a key seen twice keeps the first)."""
@@ -192,7 +206,7 @@ class IterationRecord:
         """Read every queued statistic (one transfer per device) and fill the entries; write no file."""
         values = self.batch.read()
         self._seen.clear()
-        if self.flags and any(s is not None and not all(map(math.isfinite, values[s])) for s, *_ in self.flags):
+        if any(f.slot is not None and not all(map(math.isfinite, values[f.slot])) for f in self.flags):
             self._flag_entries(values)  # a non-finite value: its iteration's dump is written, so build it
         for rec in self._pending:
             slot, n = rec.pop("_slot"), rec.pop("_numel")

@@ -11,9 +11,10 @@ before its parent and the modules that read it.
 Then: the iteration's dump is written (full statistics when the iteration was in
 ``--probe-iterations``, else the flags: ``Max``, ``Min`` and ``ps_finite`` per tensor), one line goes to
 stderr, and the process exits with ``NAN_EXIT``; under ``portspeed run`` (torchrun) the other ranks
-are ended by the launcher. The line::
+are ended by the launcher. The line (one line; folded here)::
 
-    portspeed probe: non-finite at iteration 3, micro-batch 0, rank 0, forward: decoder.layers.1 (TransformerLayer) output 0 is not finite (Max nan, Min nan); dump: DIR/step3/rank0
+    portspeed probe: non-finite at iteration 3, micro-batch 0, rank 0, forward: decoder.layers.1 (TransformerLayer)
+        output 0 is not finite (Max nan, Min nan); dump: DIR/step3/rank0
 
 (``has 1 NaN, 0 Inf`` where the iteration was recorded in full.)
 

@@ -1,9 +1,9 @@
 """The dump files of one iteration on one rank, in msprobe's layout (docs/probe-format.md).
 
 ``DIR/step<I>/rank<R>/``: ``dump.json`` (msprobe's header, portspeed's run meta under
-``"portspeed"``, the entries under ``"data"``, each with portspeed's keys in its ``ps`` field), ``construct.json`` (each key -> its parent module
-call's key, or null), ``stack.json`` (msprobe's ``{"<i>": [[keys], [frames]]}``: the call site of
-each module's first call) and, with ``--probe-tensors``, ``tensors/<key>.<field>.<i>.pt``. Each file
+``"portspeed"``, the entries under ``"data"``, each with portspeed's keys in its ``ps`` field), ``construct.json`` (each
+key -> its parent module call's key, or null), ``stack.json`` (msprobe's ``{"<i>": [[keys], [frames]]}``: the call site
+of each module's first call) and, with ``--probe-tensors``, ``tensors/<key>.<field>.<i>.pt``. Each file
 is written to a temporary name and renamed, so a reader never sees half a file, compactly (no indentation:
 json's C encoder, a third of the disk). Statistics that
 are not finite are written as ``NaN`` / ``Infinity`` (Python's json, which msprobe reads too).

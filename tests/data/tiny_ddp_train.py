@@ -4,7 +4,8 @@ Used by the compare and pytest-plugin tests as a run to launch: a linear regress
 fixed synthetic batch, split across ranks, gradients all-reduced. Any world size computes
 the same losses up to reduction order, so 1-rank and 2-rank runs must agree within fp32
 tolerance. ``--perturb-at K`` plants a divergence: from iteration K the learning rate is
-10% higher, so the losses differ from iteration K+1 (iteration K's loss precedes its update). Run it directly (one process) or under torchrun.
+10% higher, so the losses differ from iteration K+1 (iteration K's loss precedes its update). Run it directly (one
+process) or under torchrun.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ for i in range(4):
         time.sleep(3)
     dist.all_reduce(t)  # site: loop
 if mode == "shape":
-    dist.all_gather_into_tensor(torch.empty(8, device=dev), torch.ones(3 if rank == 1 else 4, device=dev))  # site: gather
+    mine = torch.ones(3 if rank == 1 else 4, device=dev)
+    dist.all_gather_into_tensor(torch.empty(8, device=dev), mine)  # site: gather
 if mode == "op":
     if rank == 0:
         dist.all_reduce(t)  # site: op-reduce

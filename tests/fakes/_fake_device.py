@@ -145,8 +145,19 @@ class FakeDevice:
     # -- the module --------------------------------------------------------------
     def build_module(self, name: str) -> types.ModuleType:
         """A module named ``name`` exposing the torch.cuda-like surface over this state."""
-        st = self
         m = new_module(name, f"FAKE {self.device_type} device module (tests only; no device behind it).")
+        funcs = {**self._device_functions(), **self._memory_functions()}
+        if self.bf16 is not None:
+            funcs["is_bf16_supported"] = lambda: bool(self.bf16)
+        for k, v in funcs.items():
+            setattr(m, k, v)
+        m.default_generators = self.generators
+        m.fake_state = self
+        return m
+
+    def _device_functions(self) -> dict[str, Callable[..., Any]]:
+        """The device, RNG and stream part of the module."""
+        st = self
 
         def set_device(device: Any) -> None:
             st.current = st.resolve(device)
@@ -184,6 +195,29 @@ class FakeDevice:
                 else:
                     st.streams[s.device_index] = prev
 
+        return {
+            "is_available": lambda: st.available,
+            "device_count": lambda: st.count if st.available else 0,
+            "current_device": lambda: st.current,
+            "set_device": set_device,
+            "synchronize": synchronize,
+            "get_rng_state": get_rng_state,
+            "set_rng_state": set_rng_state,
+            "manual_seed": lambda seed: st.generators[st.current].manual_seed(int(seed)),
+            "manual_seed_all": manual_seed_all,
+            "seed": lambda: st.generators[st.current].seed(),
+            "initial_seed": lambda: st.generators[st.current].initial_seed(),
+            "Stream": FakeStream,
+            "Event": FakeEvent,
+            "current_stream": current_stream,
+            "default_stream": lambda device=None: st.defaults[st.resolve(device)],
+            "stream": stream,
+        }
+
+    def _memory_functions(self) -> dict[str, Callable[..., Any]]:
+        """The memory statistics and device properties part of the module."""
+        st = self
+
         def memory_stats(device: Any = None) -> dict[str, int]:
             i = st.resolve(device)
             return {
@@ -201,23 +235,7 @@ class FakeDevice:
             st.resolve(device)
             return types.SimpleNamespace(name=f"FAKE {st.device_type}", total_memory=st.total_memory, has_fp64=True)
 
-        funcs: dict[str, Callable[..., Any]] = {
-            "is_available": lambda: st.available,
-            "device_count": lambda: st.count if st.available else 0,
-            "current_device": lambda: st.current,
-            "set_device": set_device,
-            "synchronize": synchronize,
-            "get_rng_state": get_rng_state,
-            "set_rng_state": set_rng_state,
-            "manual_seed": lambda seed: st.generators[st.current].manual_seed(int(seed)),
-            "manual_seed_all": manual_seed_all,
-            "seed": lambda: st.generators[st.current].seed(),
-            "initial_seed": lambda: st.generators[st.current].initial_seed(),
-            "Stream": FakeStream,
-            "Event": FakeEvent,
-            "current_stream": current_stream,
-            "default_stream": lambda device=None: st.defaults[st.resolve(device)],
-            "stream": stream,
+        return {
             "memory_allocated": lambda device=None: st.allocated[st.resolve(device)],
             "max_memory_allocated": lambda device=None: st.peak[st.resolve(device)],
             "memory_reserved": lambda device=None: st.allocated[st.resolve(device)],
@@ -227,13 +245,6 @@ class FakeDevice:
             "empty_cache": lambda: None,
             "get_device_properties": get_device_properties,
         }
-        if st.bf16 is not None:
-            funcs["is_bf16_supported"] = lambda: bool(st.bf16)
-        for k, v in funcs.items():
-            setattr(m, k, v)
-        m.default_generators = st.generators
-        m.fake_state = st
-        return m
 
 
 def new_module(name: str, doc: str) -> types.ModuleType:

@@ -84,7 +84,8 @@ def run_stock_gpt(nproc: int, log: Path, *flags: str, num_layers: int = 2, accel
     proc = run_python(args, timeout=RUN_TIMEOUT, env=env, drop=("PORTSPEED_BACKEND",))
     text = proc.stdout + proc.stderr
     log.write_text(text)
-    assert proc.returncode == 0, f"stock run on {accelerator} failed (exit {proc.returncode}); log {log}:\n{text[-4000:]}"
+    assert proc.returncode == 0, (
+        f"stock run on {accelerator} failed (exit {proc.returncode}); log {log}:\n{text[-4000:]}")
     return text
 
 

@@ -3,8 +3,8 @@
 It reaches the engine only through the public adapter contract: a subclass of the generic
 ``PrivateUse1Accelerator`` registered in the ``portspeed.adapters`` entry-point group (see
 pyproject.toml), whose vendor module is the test device's runtime (imported only when this
-adapter is selected; loading this module registers nothing), declaring what its CCL lacks. ``auto_detect`` is False: the test
-device is chosen only by name, ``PORTSPEED_ACCELERATOR=testdev``, so CPU runs never
+adapter is selected; loading this module registers nothing), declaring what its CCL lacks. ``auto_detect`` is False: the
+test device is chosen only by name, ``PORTSPEED_ACCELERATOR=testdev``, so CPU runs never
 switch to it.
 """
 
