@@ -20,7 +20,9 @@ TIMEOUT = 240
 
 #: CPU adapters for the checks: the stand-in CCL with broadcast and all_gather staged, and a CCL that lies
 ADAPTERS = '''
+import torch
 import torch.distributed as dist
+from portspeed.vendor import BackendGaps
 from portspeed.testing.standin_ccl import StandinAccelerator, StandinProcessGroup, _done, register
 
 
@@ -57,6 +59,24 @@ class Liar(StandinAccelerator):
 class VerifiedLiar(Liar):
     name = "verified-liar"
     ccl_verified = True
+
+class Bf16LyingProcessGroup(StandinProcessGroup):
+    def allreduce(self, tensors, opts):  # right in float32, moves nothing in bfloat16
+        return _done(tensors) if tensors[0].dtype == torch.bfloat16 else super().allreduce(tensors, opts)
+
+class Bf16Liar(Liar):
+    name = "bf16-liar"
+    backend = "bf16liar"
+    @classmethod
+    def load_vendor(cls):
+        register()
+        if "bf16liar" not in dist.Backend.backend_list:
+            dist.Backend.register_backend("bf16liar", lambda s, r, n, t: Bf16LyingProcessGroup(s, r, n, t),
+                                          devices=["cpu"])
+
+class Bf16Declared(Bf16Liar):
+    name = "bf16-declared"
+    backend_gaps = BackendGaps(unsupported_dtypes=[("all_reduce", torch.bfloat16)])
 '''
 
 
@@ -98,7 +118,7 @@ _START = '''
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, rank == 0,
                           timeout=datetime.timedelta(seconds=60))
     got = {{}}
-    for k, cls in enumerate((A.Liar, A.VerifiedLiar, A.StandinAccelerator)):
+    for k, cls in enumerate((A.Liar, A.VerifiedLiar, A.StandinAccelerator, A.Bf16Liar, A.Bf16Declared)):
         set_accelerator(cls())
         ccl_check.last.clear()
         try:
@@ -118,7 +138,9 @@ _START = '''
 def test_a_wrong_ccl_stops_the_job_when_its_default_group_is_made(adapters: Path) -> None:
     """A CCL whose broadcast moves nothing: init_process_group raises CclCheckError on every rank, one line naming
     broadcast, what rank 1 got and wanted, and the line to paste; ccl_verified = True skips the check; the stand-in
-    (right) passes it, in milliseconds."""
+    (right) passes it, in milliseconds. A CCL right in float32 whose bfloat16 all_reduce moves nothing is named
+    too, unless its backend_gaps declares bfloat16 all_reduce missing (the router then casts it); the stand-in's
+    bfloat16 reduce_scatter, which raises (a gap the Liar does not declare), is left to say so when used."""
     from portspeed.testing import run_ranks
 
     res = run_ranks(["-c", textwrap.dedent(_START.format(path=str(adapters)))], 2, timeout=TIMEOUT)
@@ -137,6 +159,9 @@ def test_a_wrong_ccl_stops_the_job_when_its_default_group_is_made(adapters: Path
         assert "paste into the adapter class Liar: staged_collectives = ('broadcast',)" in msg, msg
         assert got["verified-liar"] == "passed" and got["verified-liar seconds"] is None, got
         assert got["standin"] == "passed" and got["standin seconds"] < 5.0, got  # ~20 ms; loose for loaded CI
+        assert "all_reduce bfloat16: rank " in got["bf16-liar"] and "(wrong: all_reduce)" in got["bf16-liar"] and \
+            "staged_collectives = ('all_reduce',)" in got["bf16-liar"], got["bf16-liar"]
+        assert got["bf16-declared"] == "passed", got  # the gap declared: the router casts, the check leaves it
     print("start check on the stand-in, 2 ranks:", [f"{o['standin seconds'] * 1e3:.1f} ms" for o in outs])
 
 

@@ -115,7 +115,8 @@ class Accelerator:
     host_generator: ClassVar[bool] = False
     #: Operations of the portable Transformer Engine (``portspeed.vendor.KERNEL_OPS``) whose torch form is wrong on
     #: this device (``portspeed conformance`` finds them): the kernel ladder skips torch for them, so the adapter's
-    #: own kernel or portspeed's reference serves.
+    #: own kernel or portspeed's reference serves. Torch ops with no other rung (``host_rung.HOST_OPS``: matmul,
+    #: softmax, gelu, cross_entropy...) named here are computed on the host, for every caller.
     wrong_torch_ops: ClassVar[tuple[str, ...]] = ()
     #: Collectives (``declarations.STAGEABLE``) the adapter's CCL lacks or gets wrong: staged through the host on
     #: Gloo (``portspeed.comm.staged``), the rest on ``backend``; its groups run on ``staged`` (``groups_backend``).

@@ -49,10 +49,13 @@ def check_declarations(cls: type, error: type[Exception]) -> None:
     wrong = cls.__dict__.get("wrong_torch_ops")
     if wrong is not None:
         names = (wrong,) if isinstance(wrong, str) else tuple(wrong)
-        unknown = [n for n in names if n not in TE_KERNEL_OPS]
+        from portspeed.accelerator.host_rung import HOST_OPS
+
+        unknown = [n for n in names if n not in TE_KERNEL_OPS and n not in HOST_OPS]
         if unknown:
             raise error(f"{where}: wrong_torch_ops names {', '.join(map(repr, unknown))}, not an operation of the "
-                        f"portable Transformer Engine; name some of {', '.join(TE_KERNEL_OPS)}")
+                        f"portable Transformer Engine nor a torch op portspeed computes on the host; name some of "
+                        f"{', '.join(TE_KERNEL_OPS)} (the TE's other rungs) or {', '.join(HOST_OPS)} (the host)")
         cls.wrong_torch_ops = names
     staged = cls.__dict__.get("staged_collectives")
     if staged is not None:

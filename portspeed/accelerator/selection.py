@@ -66,6 +66,9 @@ def _make(name: str, reason: str) -> Accelerator:
     from portspeed.accelerator.param_identity import ensure
 
     ensure(acc)  # a device without PrivateUse1 shallow-copy kernel keeps Parameters through module.to (detected)
+    from portspeed.accelerator import host_rung
+
+    host_rung.ensure(acc)  # torch ops declared wrong on the device (wrong_torch_ops) computed on the host
     global _reason
     _reason = reason
     return acc

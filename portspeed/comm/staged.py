@@ -80,8 +80,10 @@ def _wait_all(works: Any) -> None:
 
 
 def _back(dst: torch.Tensor, host: torch.Tensor) -> None:
+    # outside autograd, as a C++ backend writes: Megatron's pipeline receives into a leaf that requires grad
     if dst is not host:
-        dst.copy_(host.view(dst.shape))
+        with torch.no_grad():
+            dst.copy_(host.view(dst.shape))
 
 
 def _inner_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:

@@ -7,10 +7,11 @@ on the device and on the host from the same inputs in the same dtype (fp32, bf16
 compared within the kernel bands (``portspeed.vendor.KERNEL_BANDS``: the largest difference over the largest
 magnitude of the CPU's answer).
 
-A wrong op is named with its case. Where the portable Transformer Engine has another rung for it (SDPA:
-``attention``; ``layer_norm``; ``rms_norm``), the check prints the declaration that moves the TE there
-(``wrong_torch_ops``), and once it is declared checks that rung on the device instead. An op no rung of
-portspeed can replace is named as such: the device's kernel must be fixed.
+A wrong op is named with its case, and the check prints the declaration (``wrong_torch_ops``) that moves it to a
+rung that is right: where the portable Transformer Engine has another rung for it (SDPA: ``attention``;
+``layer_norm``; ``rms_norm``), that rung; for the others (matmul, addmm, baddbmm, softmax, gelu, silu,
+cross_entropy), the host (``portspeed.accelerator.host_rung``: every caller, Megatron's local path included). Once
+declared, it checks that the device's own op is still wrong and that the rung is right, on the device.
 """
 
 from __future__ import annotations
@@ -119,28 +120,20 @@ def compare_torch_op(op: str, device: Any, seed: int = 4321) -> str | None:
 
 def run_torch_op_checks(acc: Any, report: Report) -> None:
     """One check per op of ``OPS`` on ``acc``'s device; the ``wrong_torch_ops`` line for a wrong op with a rung."""
-    from portspeed.conformance.kernels import compare_kernel
-    from portspeed.portable_te.kernels import TABLE, import_path
+    from portspeed.accelerator.host_rung import HOST_OPS
 
     device = acc.device(0)
     declared = tuple(acc.wrong_torch_ops)
     wrong: list[str] = [te for te in declared]
     for op in OPS:
-        bad = compare_torch_op(op, device)
         te = TE_RUNG.get(op)
         if te is not None and te in declared:
-            if bad is None:
-                report.add(SUITE, f"torch {op} on the device (declared wrong: wrong_torch_ops has {te!r})", False,
-                           f"it matches the CPU on the device: take {te!r} out of wrong_torch_ops (the portable TE "
-                           "then uses torch's op again)")
-                continue
-            kernel = acc.kernels().get(te)
-            rung = "the adapter's kernel" if kernel is not None else "portspeed's reference"
-            fn = import_path(TABLE[te].reference) if kernel is None else _resolved(acc, te, kernel)
-            ref_bad = compare_kernel(te, fn, device)
-            report.add(SUITE, f"torch {op} is wrong on the device, as declared (wrong_torch_ops): the portable TE's "
-                       f"{te} runs {rung}, which matches", ref_bad is None, ref_bad or "")
+            _check_te_rung(acc, op, te, device, report)
             continue
+        if op in declared:
+            _check_host_rung(op, device, report)
+            continue
+        bad = compare_torch_op(op, device)
         if bad is None:
             report.add(SUITE, f"torch {op} on the device matches the CPU", True)
         elif te is not None:
@@ -148,12 +141,56 @@ def run_torch_op_checks(acc: Any, report: Report) -> None:
             report.add(SUITE, f"torch {op} on the device matches the CPU", False,
                        f"{bad} -- the portable TE's {te} moves off torch's op when the adapter declares "
                        f"wrong_torch_ops (printed at the end); Megatron's local path does not use it")
+        elif op in HOST_OPS:
+            wrong.append(op)
+            report.add(SUITE, f"torch {op} on the device matches the CPU", False,
+                       f"{bad} -- portspeed computes {op} on the host, for every caller, when the adapter declares "
+                       f"wrong_torch_ops (printed at the end)")
         else:
             report.add(SUITE, f"torch {op} on the device matches the CPU", False,
                        f"{bad} -- no rung of portspeed replaces torch's {op}: fix the device's kernel for it (its "
                        "aten op's PrivateUse1 registration)")
     if len(wrong) > len(declared):
         report.declare("wrong_torch_ops", repr(tuple(dict.fromkeys(wrong))))
+
+
+def _check_te_rung(acc: Any, op: str, te: str, device: Any, report: Report) -> None:
+    """A declared TE op: still wrong on the device (else the declaration goes), and the rung it moves to is right."""
+    from portspeed.conformance.kernels import compare_kernel
+    from portspeed.portable_te.kernels import TABLE, import_path
+
+    if compare_torch_op(op, device) is None:
+        report.add(SUITE, f"torch {op} on the device (declared wrong: wrong_torch_ops has {te!r})", False,
+                   f"it matches the CPU on the device: take {te!r} out of wrong_torch_ops (the portable TE "
+                   "then uses torch's op again)")
+        return
+    kernel = acc.kernels().get(te)
+    rung = "the adapter's kernel" if kernel is not None else "portspeed's reference"
+    fn = import_path(TABLE[te].reference) if kernel is None else _resolved(acc, te, kernel)
+    ref_bad = compare_kernel(te, fn, device)
+    report.add(SUITE, f"torch {op} is wrong on the device, as declared (wrong_torch_ops): the portable TE's "
+               f"{te} runs {rung}, which matches", ref_bad is None, ref_bad or "")
+
+
+def _check_host_rung(op: str, device: Any, report: Report) -> None:
+    """A declared host op: the device's own kernel still wrong (else the declaration goes), the host rung right."""
+    from portspeed.accelerator import host_rung
+
+    with host_rung.suspended():
+        own = compare_torch_op(op, device)
+    if own is None:
+        report.add(SUITE, f"torch {op} on the device (declared wrong: wrong_torch_ops has {op!r})", False,
+                   f"the device's own kernel matches the CPU: take {op!r} out of wrong_torch_ops (portspeed then "
+                   "leaves it on the device)")
+        return
+    if op not in host_rung.registered():
+        report.add(SUITE, f"torch {op} is wrong on the device, as declared (wrong_torch_ops): computed on the host",
+                   False, f"{own} -- and the host rung is not registered for this device (its dispatch key is not "
+                   "PrivateUse1 nor an in-tree one portspeed knows)")
+        return
+    bad = compare_torch_op(op, device)
+    report.add(SUITE, f"torch {op} is wrong on the device, as declared (wrong_torch_ops): portspeed computes it on "
+               "the host, which matches", bad is None, bad or "")
 
 
 def _resolved(acc: Any, op: str, decl: Any) -> Callable:

@@ -4,8 +4,8 @@ The test device quietly does what a vendor's first PrivateUse1 device often leav
 device, OpenReg, on torch 2.13 among them), and so hides the faults a port meets there. The bare variant turns
 each of those off, in the same built library, by name:
 
-``PORTSPEED_TESTDEV_BARE=no-memory-info,no-shallow-copy,wrong-sdpa,host-rng,stub-ccl`` (a comma list; ``all``:
-every fault), read once when the library loads; unset or empty: the full test device, as before.
+``PORTSPEED_TESTDEV_BARE=no-memory-info,no-shallow-copy,wrong-sdpa,host-rng,stub-ccl,wrong-gelu`` (a comma
+list; ``all``: every fault), read once when the library loads; unset or empty: the full test device, as before.
 
 ==================  =====================================================================================
 fault               what the device then does
@@ -18,6 +18,8 @@ host-rng            random ops draw from the host's default generator through th
                     generator passed as ``generator=`` is refused (the device generators still seed and save)
 stub-ccl            testccl moves no data: all_reduce hands the input back, broadcast does nothing,
                     all_gather / reduce_scatter / all_to_all leave zeros
+wrong-gelu          ``aten::gelu`` and ``gelu_backward`` answer 1.25x the right value (a torch op with no
+                    other rung in the portable TE: portspeed's host rung serves it, ``wrong_torch_ops``)
 ==================  =====================================================================================
 
 A test device, not hardware: this module only names the switches and checks a value; the C++ library
@@ -40,6 +42,7 @@ FAULTS: dict[str, str] = {
     "wrong-sdpa": "its fused SDPA returns memory it never wrote",
     "host-rng": "random ops on the device draw from the host generator",
     "stub-ccl": "testccl moves no data",
+    "wrong-gelu": "its gelu (forward and backward) answers 1.25x the right value",
 }
 
 

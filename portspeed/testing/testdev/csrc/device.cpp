@@ -61,7 +61,8 @@ namespace {
 
 const std::vector<std::string>& read_bare_faults() {
   static const std::vector<std::string> faults = [] {
-    static const char* const kAll[] = {"no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl"};
+    static const char* const kAll[] = {"no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl",
+                                       "wrong-gelu"};
     std::vector<std::string> out;
     const char* env = std::getenv("PORTSPEED_TESTDEV_BARE");
     std::string value = env == nullptr ? "" : env;
