@@ -10,38 +10,17 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 
 from helpers.patch_modules import Modules, imp, replace, status, tag, wrap
+from helpers.patch_modules import env, mgr, mods  # noqa: F401 - the fixtures both files use
 
 from portspeed.errors import PatchDefinitionError, PatchStrictError
 from portspeed.patching.manager import STATUSES, PatchManager
 from portspeed.patching.record import Patch
 from portspeed.versions import distribution_version
-
-
-@pytest.fixture
-def env(portspeed_env: Callable[..., None]) -> Callable[..., None]:
-    """Set PORTSPEED_* variables for one test (tests/conftest.py's portspeed_env, by its short name here)."""
-    return portspeed_env
-
-
-@pytest.fixture
-def mods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Modules]:
-    monkeypatch.syspath_prepend(str(tmp_path))
-    m = Modules(tmp_path)
-    yield m
-    m.cleanup()
-
-
-@pytest.fixture
-def mgr(env: Callable[..., None]) -> Iterator[PatchManager]:
-    m = PatchManager()
-    yield m
-    m.revert()
 
 
 # ---------------------------------------------------------------- drift

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from helpers.launch import REPO, run_python
+from helpers.launch import REPO, run_ok, run_python
 
 pytestmark = [pytest.mark.testdev]
 
@@ -23,10 +23,7 @@ PRELUDE = "import torch\nimport portspeed.testing.testdev.runtime as testdev\n"
 
 
 def _run(code: str, timeout: float = 180, **env: str) -> str:
-    res = run_python(["-c", PRELUDE + textwrap.dedent(code) + "\nprint('OK')\n"], timeout=timeout, env=env)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
-        f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-5000:]}")
-    return res.stdout
+    return run_ok(PRELUDE + textwrap.dedent(code), timeout=timeout, env=env)
 
 
 def test_build_command_reports_the_extension() -> None:

@@ -12,16 +12,13 @@ import textwrap
 
 import pytest
 
-from helpers.launch import run_python
+from helpers.launch import run_ok, run_python
 
 PRELUDE = "import torch\nimport torch.nn.functional as F\n"
 
 
 def _run(code: str, timeout: float = 300, **env: str) -> str:
-    res = run_python(["-c", PRELUDE + textwrap.dedent(code) + "\nprint('OK')\n"], timeout=timeout, env=env)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
-        f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-5000:]}")
-    return res.stdout
+    return run_ok(PRELUDE + textwrap.dedent(code), timeout=timeout, env=env)
 
 
 @pytest.mark.testdev

@@ -35,16 +35,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launch import run_python, torchrun
+from helpers.launch import run_ok, torchrun
 
 PRELUDE = "import torch\nimport torch.nn.functional as F\n"
 
 
 def _run(code: str, timeout: float = 300, **env: str) -> str:
-    res = run_python(["-c", PRELUDE + textwrap.dedent(code) + "\nprint('OK')\n"], timeout=timeout, env=env)
-    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
-        f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-5000:]}")
-    return res.stdout
+    return run_ok(PRELUDE + textwrap.dedent(code), timeout=timeout, env=env)
 
 
 def test_declaring_the_vendor_kernel_loads_nothing() -> None:

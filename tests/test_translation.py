@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from helpers.requires import require
+from helpers.adapter_checks import cpu_adapter  # noqa: F401 - the fixture both files use
 
 import portspeed
 from portspeed.accelerator import scope as framework_modules
 from portspeed.accelerator import translation
 from portspeed.accelerator import reset_accelerator, set_accelerator
-from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.errors import ConfigError
 from portspeed.patches import torch_cuda
 
@@ -66,16 +66,6 @@ MODULE_SRC = textwrap.dedent('''
         # as Megatron's all-to-all-v (MoE token dispatch) allocates its output
         return x.new_empty(size=[n], dtype=x.dtype, device=torch.cuda.current_device())
 ''')
-
-
-@pytest.fixture
-def cpu_adapter():
-    """A fresh CPU adapter for the test; the previous selection is restored after."""
-    reset_accelerator()
-    acc = CpuAccelerator()
-    set_accelerator(acc)
-    yield acc
-    reset_accelerator()
 
 
 @pytest.fixture

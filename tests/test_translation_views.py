@@ -12,20 +12,11 @@ import textwrap
 import pytest
 import torch
 
+from helpers.adapter_checks import cpu_adapter  # noqa: F401 - the fixture both files use
+
 from portspeed.accelerator import translation
-from portspeed.accelerator import reset_accelerator, set_accelerator
-from portspeed.adapters.cpu import CpuAccelerator, NullEvent, NullStream
+from portspeed.adapters.cpu import NullEvent, NullStream
 from portspeed.errors import UnsupportedCudaCallError
-
-
-@pytest.fixture
-def cpu_adapter():
-    """A fresh CPU adapter for the test; the previous selection is restored after."""
-    reset_accelerator()
-    acc = CpuAccelerator()
-    set_accelerator(acc)
-    yield acc
-    reset_accelerator()
 
 
 # ---------------------------------------------------------------------- CudaView

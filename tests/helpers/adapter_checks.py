@@ -9,9 +9,11 @@ from __future__ import annotations
 import traceback
 from typing import Any, Callable
 
+import pytest
 import torch
 
-from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class
+from portspeed.accelerator import BUILTIN_ADAPTERS, Accelerator, adapter_class, reset_accelerator, set_accelerator
+from portspeed.adapters.cpu import CpuAccelerator
 from portspeed.accelerator.capabilities import KNOWN_BACKENDS, check_backend_name
 from portspeed.vendor import registered_backend
 
@@ -237,3 +239,13 @@ def run_checks(acc: Accelerator, state: Any, exp: dict) -> dict[str, str]:
         except Exception:
             out[check.__name__] = traceback.format_exc()
     return out
+
+
+@pytest.fixture
+def cpu_adapter():
+    """A fresh CPU adapter for the test; the previous selection is restored after."""
+    reset_accelerator()
+    acc = CpuAccelerator()
+    set_accelerator(acc)
+    yield acc
+    reset_accelerator()

@@ -170,6 +170,14 @@ def run_snippet(code: str, *, timeout: float, env: Mapping[str, str] | None = No
     return run_python(["-c", textwrap.dedent(code)], timeout=timeout, env=env, cwd=cwd, drop=drop)
 
 
+def run_ok(code: str, *, timeout: float = 300, env: Mapping[str, str] | None = None) -> str:
+    """``python -c code`` (dedented); fail with both streams unless it exits 0 and prints ``OK`` last; its stdout."""
+    res = run_python(["-c", textwrap.dedent(code) + "\nprint('OK')\n"], timeout=timeout, env=env)
+    assert res.returncode == 0 and res.stdout.rstrip().endswith("OK"), (
+        f"exit {res.returncode}\n--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-5000:]}")
+    return res.stdout
+
+
 def child_json(code: str, *, timeout: float, env: Mapping[str, str] | None = None, cwd: Path = REPO,
                drop: Iterable[str] = ()) -> Any:
     """Run the snippet (``run_snippet``), fail with the tail of stderr unless it exits 0, return its last-line JSON."""

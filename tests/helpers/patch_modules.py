@@ -12,7 +12,9 @@ import itertools
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import pytest
 
 
 from portspeed.patching.manager import PatchManager
@@ -107,3 +109,24 @@ def status(m: PatchManager, name: str) -> dict[str, Any]:
 
 def imp(name: str) -> Any:
     return importlib.import_module(name)
+
+
+@pytest.fixture
+def env(portspeed_env: Callable[..., None]) -> Callable[..., None]:
+    """Set PORTSPEED_* variables for one test (tests/conftest.py's portspeed_env, by its short name here)."""
+    return portspeed_env
+
+
+@pytest.fixture
+def mods(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Modules]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    m = Modules(tmp_path)
+    yield m
+    m.cleanup()
+
+
+@pytest.fixture
+def mgr(env: Callable[..., None]) -> Iterator[PatchManager]:
+    m = PatchManager()
+    yield m
+    m.revert()
