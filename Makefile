@@ -43,7 +43,7 @@ LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 #: (Gloo's and testccl's recorders, NanCheckHook): the cases marked `torch_hooks`, the test device's included
 LEG2_HOOK_TESTS := tests/test_trace.py tests/test_nan_check.py
 
-.PHONY: stress stress-exit venv venv312 testdev demo test test-leg1 test-leg2 setup-leg1 setup-leg2 leg2-deps \
+.PHONY: test-perf-stock stress stress-exit venv venv312 testdev demo test test-leg1 test-leg2 setup-leg1 setup-leg2 leg2-deps \
         run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
@@ -207,6 +207,18 @@ test-probe-stock:
 	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
 	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
 	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probe_stock_tags.py --git "$(MEGATRON_LM_GIT)"
+
+## --perf on stock pretrain_gpt.py at every supported tag (by hand, a few minutes a tag on 2 cores): two clean TP1
+## runs name no part, and the three planted slownesses (a module slowed on the test device, .item() round trips,
+## a slow TP2 rank) are named in compare --perf's first line (benchmarks/perf_stock_tags.py).
+test-perf-stock:
+	@test -n "$(MEGATRON_LM_GIT)" || { echo "set MEGATRON_LM_GIT to a Megatron-LM git directory (e.g. /work/.mirror/NVIDIA+Megatron-LM/repo)"; exit 2; }
+	$(MAKE) --no-print-directory venv testdev
+	$(MAKE) --no-print-directory venv312
+	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt testdev
+	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
+	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
+	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/perf_stock_tags.py --git "$(MEGATRON_LM_GIT)"
 
 ## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
 ## portspeed on the active adapter, launched as Megatron's CI launches them: one torchrun per target.

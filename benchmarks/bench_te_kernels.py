@@ -233,7 +233,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-t
 
 
 def stock_run(name: str, flags: list[str], env_extra: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    """One stock pretrain_gpt.py run on CPU through ``portspeed run``: median step time, peak RSS of the run."""
+    """One stock pretrain_gpt.py run through ``portspeed run`` (the CPU adapter unless ``env_extra`` names one):
+    median step time, peak RSS of the run."""
     root = os.environ.get("MEGATRON_LM_ROOT", "")
     row: dict[str, Any] = {"part": "stock", "name": name}
     if not (Path(root) / "pretrain_gpt.py").is_file():
@@ -243,9 +244,10 @@ def stock_run(name: str, flags: list[str], env_extra: dict[str, str], args: argp
            "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
            "--master-port", str(20000 + (os.getpid() * 7 + len(name)) % 20000), f"{root}/pretrain_gpt.py", *STOCK,
            "--seq-length", seq, "--max-position-embeddings", seq, "--train-iters", str(args.stock_iters), *flags]
-    env = dict(os.environ, PORTSPEED_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env_extra,
+    env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (args.portspeed_from, root, str(REPO),
                                                       os.environ.get("PYTHONPATH", "")) if p))
+    env.update({"PORTSPEED_ACCELERATOR": "cpu", **env_extra})  # env_extra may name another adapter
     # a fresh parent per run: RUSAGE_CHILDREN's maxrss is the largest descendant it waited for (the worker)
     wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
                "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")

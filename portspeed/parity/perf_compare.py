@@ -28,7 +28,7 @@ import dataclasses
 import json
 from typing import Any, TextIO
 
-from portspeed.parity import perf_links, perf_ranks
+from portspeed.parity import perf_links, perf_ranks, perf_slow_links
 from portspeed.parity.perf_format import PerfInputError, PerfRun, median, read_run, share
 from portspeed.parity.perf_links import bus_factor
 
@@ -181,9 +181,11 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
 
             note += draw_ranks(run, perf_ranks.find_slow_rank(run), png).note
         code = perf_ranks.report(run, out)
+        code = max(code, perf_slow_links.report(run, out))
         _collectives(run, table, links, out)
         if json_path:
-            _dump(json_path, {"slow_rank": perf_ranks.describe(run), "exit": code})
+            _dump(json_path, {"slow_rank": perf_ranks.describe(run), "slow_links": perf_slow_links.describe(run),
+                              "exit": code})
         if note:
             print(note, file=out)
         return code

@@ -10,7 +10,10 @@ it imports ``portspeed.megatron_adaptor`` (what ``--adaptor megatron`` does), re
 
 - ``reduce-avg:LAYER[:ITER]``: decoder layer LAYER's row-parallel all_reduce averaged in ITER (default 1);
   TP >= 2, ``--transformer-impl local``;
-- ``nan:ITER:LAYER``: one NaN in decoder layer LAYER's output in ITER (micro-batch 0).
+- ``nan:ITER:LAYER``: one NaN in decoder layer LAYER's output in ITER (micro-batch 0);
+- ``slow:LAYER:MS[:RANK]``: decoder layer LAYER's MLP forward sleeps MS milliseconds (LAYER ``*``: every layer's), on
+  global rank RANK only when given (``--perf``'s slow module, or slow rank);
+- ``item:LAYER:COUNT``: COUNT ``.item()`` host round trips in each forward of decoder layer LAYER's MLP.
 
 Run with the folder on the workers' path::
 
@@ -46,11 +49,19 @@ def _plant(spec: str) -> None:
         elif kind == "nan":
             it, layer = _numbers(rest, 2, 2)
             plant.plant_nan(it, layer=layer)
+        elif kind == "slow":
+            head, _, tail = rest.partition(":")
+            ms, *rank = _numbers(tail, 1, 2)
+            layer = None if head == "*" else _numbers(head, 1, 1)[0]
+            plant.plant_slow(layer, ms, rank=rank[0] if rank else None)
+        elif kind == "item":
+            layer, count = _numbers(rest, 2, 2)
+            plant.plant_item(layer, count)
         else:
             raise ValueError(spec)
     except (ValueError, plant.PlantError) as e:
-        print(f"plants.megatron_adaptor: PORTSPEED_PLANT={spec!r} is not reduce-avg:LAYER[:ITER] or nan:ITER:LAYER "
-              f"({e})", file=sys.stderr, flush=True)
+        print(f"plants.megatron_adaptor: PORTSPEED_PLANT={spec!r} is not reduce-avg:LAYER[:ITER], nan:ITER:LAYER, "
+              f"slow:LAYER|*:MS[:RANK] or item:LAYER:COUNT ({e})", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 

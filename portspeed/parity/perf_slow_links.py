@@ -1,0 +1,132 @@
+"""`portspeed compare --perf RUN` with one run: a slow group or link, or that there is none.
+
+Why from one run: a link that is slow (a bad cable, a CCL that stages through the host for one group, a
+route across a slower fabric) shows as a group that moves the same bytes with the same collective far
+slower than another group of the same run does. Comparing groups of one run needs no reference run and
+no table measured beforehand; the table (``perf_links``) is printed beside each collective for the rest.
+
+How: each collective matched across its group's ranks (``perf_format.Match``) gives its transfer time
+(from the last rank's arrival to the first rank leaving it done: waiting for a late rank is the slow
+rank's, not the link's) and so its bus bandwidth (nccl-tests' factors). For each collective and message
+size moved by two or more groups, each group's best call (its shortest transfer) is set against the fastest
+group's best. The best and not the median: on a shared host a rank asleep in the collective is woken
+late, which only ever adds time, and did so on most calls of a clean 3-rank run on 2 busy cores; a link
+that is slow is slow on every call, its best included. A group is slow when the fastest is
+``SLOW_FACTOR`` times faster and its best call at least ``NOISE_MS`` longer.
+
+Line: ``slow link: group [1, 2] moves all_reduce of 64.0 KiB at 0.004 GB/s bus bandwidth at best (15 calls,
+the fastest 30.2 ms), 95x below group [0, 1] (0.38 GB/s, 0.3 ms)`` or ``no slow link: ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TextIO
+
+from portspeed.parity.perf_format import PerfRun
+from portspeed.parity.perf_links import bus_factor
+
+__all__ = ["MIN_CALLS", "NOISE_MS", "SLOW_FACTOR", "GroupSpeed", "SlowLink", "find_slow_links", "group_speeds",
+           "report"]
+
+#: a group is slow when another group moves the same bytes with the same collective this many times faster
+SLOW_FACTOR = 4.0
+#: and its best transfer is at least this much longer (below it, scheduling noise on a shared host)
+NOISE_MS = 1.0
+#: calls a group needs of one collective and size before its median is compared
+MIN_CALLS = 3
+
+
+@dataclasses.dataclass
+class GroupSpeed:
+    """One group's calls of one collective at one message size: its best call's transfer and bus bandwidth."""
+
+    op: str
+    nbytes: int
+    group: tuple[int, ...]
+    calls: int
+    transfer_ms: float
+    gbps: float
+
+
+@dataclasses.dataclass
+class SlowLink:
+    slow: GroupSpeed
+    fast: GroupSpeed
+
+    @property
+    def factor(self) -> float:
+        return self.fast.gbps / self.slow.gbps if self.slow.gbps > 0 else float("inf")
+
+
+def group_speeds(run: PerfRun) -> list[GroupSpeed]:
+    """Every (collective, bytes, group) of ``run`` with two or more ranks, from its matched calls."""
+    got: dict[tuple[str, int, tuple[int, ...]], list[float]] = {}
+    for it in run.iterations:
+        for m in run.matches(it):
+            if len(m.group) < 2:
+                continue
+            times = [t for t in (m.transfer_ms(r) for r in m.calls) if t is not None]
+            nbytes = int(next(iter(m.calls.values())).get("bytes") or 0)
+            if times and nbytes > 0:  # done when the first rank left it done
+                got.setdefault((m.op, nbytes, m.group), []).append(min(times))
+    out = []
+    for (op, nbytes, group), times in got.items():
+        ms = min(times)
+        gbps = nbytes * bus_factor(op, len(group)) / (max(ms, 1e-6) * 1e-3) / 1e9
+        out.append(GroupSpeed(op, nbytes, group, len(times), ms, gbps))
+    return out
+
+
+def find_slow_links(run: PerfRun) -> tuple[list[SlowLink], int]:
+    """The slow groups of ``run``, slowest against its fastest peer first; and how many (collective, size) pairs
+    two or more groups moved (what could be compared)."""
+    by_size: dict[tuple[str, int], list[GroupSpeed]] = {}
+    for g in group_speeds(run):
+        if g.calls >= MIN_CALLS:
+            by_size.setdefault((g.op, g.nbytes), []).append(g)
+    found, compared = [], 0
+    for peers in by_size.values():
+        if len({g.group for g in peers}) < 2:
+            continue
+        compared += 1
+        fast = max(peers, key=lambda g: g.gbps)
+        for g in peers:
+            if g is not fast and g.transfer_ms - fast.transfer_ms >= NOISE_MS \
+                    and fast.gbps >= SLOW_FACTOR * g.gbps:
+                found.append(SlowLink(g, fast))
+    found.sort(key=lambda s: -s.factor)
+    return found, compared
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _group(g: tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, g)) + "]"
+
+
+def report(run: PerfRun, out: TextIO) -> int:
+    """Print the slow-link finding of ``run`` (one line per slow group); 1 when a group is named, else 0."""
+    found, compared = find_slow_links(run)
+    if not found:
+        why = (f"{compared} collective(s) and size(s) moved by two or more groups, none {SLOW_FACTOR:g}x slower "
+               f"than another group's" if compared else
+               "no two groups moved the same bytes with the same collective: nothing to compare")
+        print(f"no slow link: {why}", file=out)
+        return 0
+    for s in found:
+        print(f"slow link: group {_group(s.slow.group)} moves {s.slow.op} of {_size(s.slow.nbytes)} at "
+              f"{s.slow.gbps:.3g} GB/s bus bandwidth at best ({s.slow.calls} calls, the fastest "
+              f"{s.slow.transfer_ms:.1f} ms), {s.factor:.0f}x below group {_group(s.fast.group)} ({s.fast.gbps:.3g} GB/s, "
+              f"{s.fast.transfer_ms:.1f} ms): look at the link between these ranks, or at what its backend does "
+              "for this group (`portspeed info`, the router's rewrites in the table below)", file=out)
+    return 1
+
+
+def describe(run: PerfRun) -> dict:
+    """The finding as JSON (``--json``)."""
+    found, compared = find_slow_links(run)
+    return {"compared": compared, "slow": [dataclasses.asdict(s.slow) | {"fast": dataclasses.asdict(s.fast),
+                                                                          "factor": s.factor} for s in found]}

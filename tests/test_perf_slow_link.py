@@ -1,0 +1,45 @@
+"""A slow link named from one run: `portspeed compare --perf RUN` sets groups moving the same bytes against each other.
+
+``tests/data/perf_two_links.py``: three ranks on Gloo, groups [0, 1] and [1, 2] each all_reducing 64 KiB five times an
+iteration (an own loop marked with ``portspeed.perf.iteration``), timed with ``portspeed run --perf``. Planted
+(TEST-ONLY, ``--slow-ms 60``): each call of group [1, 2] ends about 60 ms after both its ranks arrived. The one run
+names that group, against group [0, 1], and no slow rank (neither of its ranks arrives late); the same script
+without the plant names no slow link. The finding reads the groups' best calls, not a time bound.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from helpers.launch import free_port, run_python
+from portspeed.parity import compare as compare_cli
+
+pytestmark = [pytest.mark.multiproc]
+
+SCRIPT = "tests/data/perf_two_links.py"
+
+
+def _record(folder: Path, *plant: str) -> tuple[int, str]:
+    run_python(["-m", "portspeed.cli", "run", "--perf", str(folder), "--perf-iterations", "2:4", "--nproc-per-node",
+                "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, *plant], timeout=180,
+               env={"PORTSPEED_ACCELERATOR": "cpu"}, drop=("PORTSPEED_*",)).check()
+    out = io.StringIO()
+    code = compare_cli.main(["--perf", str(folder)], out=out, err=io.StringIO())
+    return code, out.getvalue()
+
+
+def test_a_group_slower_than_another_moving_the_same_bytes_is_named(tmp_path: Path) -> None:
+    code, out = _record(tmp_path / "slow", "--slow-ms", "60")
+    said = [line for line in out.splitlines() if line.startswith("slow link: ")]
+    assert code == 1 and out.startswith("no slow rank: "), out[:3000]
+    assert len(said) == 1 and said[0].startswith("slow link: group [1, 2] moves all_reduce of 64.0 KiB at "), out[:3000]
+    assert "below group [0, 1] (" in said[0], said
+
+
+def test_the_same_groups_without_the_plant_name_no_slow_link(tmp_path: Path) -> None:
+    code, out = _record(tmp_path / "clean")
+    assert code == 0 and "\nno slow link: 1 collective(s) and size(s) moved by two or more groups, none 4x slower" \
+        in out, out[:3000]
