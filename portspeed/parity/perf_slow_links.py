@@ -128,5 +128,5 @@ def report(run: PerfRun, out: TextIO) -> int:
 def describe(run: PerfRun) -> dict:
     """The finding as JSON (``--json``)."""
     found, compared = find_slow_links(run)
-    return {"compared": compared, "slow": [dataclasses.asdict(s.slow) | {"fast": dataclasses.asdict(s.fast),
-                                                                          "factor": s.factor} for s in found]}
+    slow = [dataclasses.asdict(s.slow) | {"fast": dataclasses.asdict(s.fast), "factor": s.factor} for s in found]
+    return {"compared": compared, "slow": slow}
