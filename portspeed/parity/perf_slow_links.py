@@ -121,7 +121,8 @@ def report(run: PerfRun, out: TextIO) -> int:
               f"{s.slow.gbps:.3g} GB/s bus bandwidth at best ({s.slow.calls} calls, the fastest "
               f"{s.slow.transfer_ms:.1f} ms), {s.factor:.0f}x below group {_group(s.fast.group)} "
               f"({s.fast.gbps:.3g} GB/s, {s.fast.transfer_ms:.1f} ms): look at the link between these ranks, "
-              "or at what its backend does for this group (`portspeed info`, the router's rewrites in the table below)", file=out)
+              "or at what its backend does for this group (`portspeed info`, the router's rewrites in the "
+              "table below)", file=out)
     return 1
 
 
