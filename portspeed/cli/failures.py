@@ -25,7 +25,10 @@ worker has failed, the agent's poll is held back until every worker has ended, o
 (or the hang watchdog ended the job); only then does torchrun stop what is left. The first failure is
 the one whose script failed first: each worker notes that time beside torchrun's error file
 (``worker.note_failure_time``); a worker that died without a Python exception (a signal, ``os._exit``) is
-placed by the poll that first saw it ended, then torchrun's order below.
+placed by the poll that first saw it ended, then torchrun's order below. A rank whose error says a peer
+went away (Gloo's "Connection reset by peer") comes after a rank that died of a signal without Python: it
+noted its time, the dead rank could not, and under load the launcher's poll saw the death later than the
+peer noted its error (the stand-in op mismatch, 4 times in 750 fault cases, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -112,18 +115,45 @@ def _let_the_rest_end(agent: Any, ended: dict[int, float]) -> None:
         look()
 
 
-def _failed_at(failure: Any) -> int | None:
-    """When the worker's script failed (ns since the epoch), as the worker noted it beside its error file."""
+def _failed_at(error_file: str | None) -> tuple[int | None, bool]:
+    """When the worker's script failed (ns since the epoch), as the worker noted it beside its error file, and
+    whether its error said a peer went away (``worker.PEER_GONE``)."""
     from portspeed.cli.worker import FAILED_AT_FILE
 
-    error_file = getattr(failure, "error_file", "") or ""
     if not error_file or error_file == os.devnull:
-        return None
+        return None, False
     try:
         with open(os.path.join(os.path.dirname(error_file), FAILED_AT_FILE)) as f:
-            return int(f.read().strip())
+            ns, _, word = f.read().strip().partition(" ")
+            return int(ns), word == "peer-gone"
     except (OSError, ValueError):
-        return None
+        return None, False
+
+
+def _error_files(agent: Any) -> dict[int, str]:
+    """local rank -> the error file torchrun gave that worker (``TORCHELASTIC_ERROR_FILE``). Read from the agent's
+    process context: a failure's own ``error_file`` is torchrun's "<N/A>" when the script wrote none (no
+    ``@record``), which is most scripts."""
+    files = getattr(getattr(agent, "_pcontext", None), "error_files", None)
+    return {int(k): str(v) for k, v in files.items()} if isinstance(files, dict) else {}
+
+
+def _order(failures: dict[int, Any], ended: dict[int, float], files: dict[int, str]) -> list[tuple[int, Any]]:
+    """The failures of one attempt, root cause first: a SIGTERM exit after any other (the agent stops the rest with
+    it); a rank whose error says a peer went away after one that died without Python (a C++ abort, a signal: it
+    wrote no time of its own, and the peer's error can be noted before the launcher's poll sees the death); then
+    the one whose script failed first, else the one seen ending first (torchrun's timestamps are whole seconds)."""
+    noted = {rank: _failed_at(files.get(int(f.local_rank))) for rank, f in failures.items()}
+    hard = [rank for rank, f in failures.items()
+            if noted[rank][0] is None and f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+
+    def key(kv: Any) -> tuple:
+        rank, failure = kv
+        at, peer_gone = noted[rank]
+        return (failure.exitcode == -signal.SIGTERM, peer_gone and any(h != rank for h in hard),
+                at or ended.get(int(failure.local_rank), float("inf")), failure.timestamp, rank)
+
+    return sorted(failures.items(), key=key)
 
 
 @contextlib.contextmanager
@@ -141,15 +171,7 @@ def watch_failures() -> Iterator[list[Failure]]:
         if result.failures:
             restarts = worker_group.spec.max_restarts
             attempt = restarts - getattr(self, "_remaining_restarts", restarts)
-            # the root cause first: the agent stops the others with SIGTERM after the grace, so a SIGTERM exit
-            # sorts after any other failure; then the one whose script failed first, else the one seen ending
-            # first (torchrun's timestamps are whole seconds)
-            def order(kv: Any) -> tuple:
-                local = int(kv[1].local_rank)
-                return (kv[1].exitcode == -signal.SIGTERM, _failed_at(kv[1]) or ended.get(local, float("inf")),
-                        kv[1].timestamp, kv[0])
-
-            for rank, failure in sorted(result.failures.items(), key=order):
+            for rank, failure in _order(result.failures, ended, _error_files(self)):  # root cause first
                 seen.append(Failure(attempt, int(rank), int(failure.local_rank), int(failure.exitcode),
                                     socket.gethostname()))
                 _reap(int(failure.pid))

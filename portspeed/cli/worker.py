@@ -36,7 +36,7 @@ import time
 import types
 from typing import Any
 
-__all__ = ["main", "ADAPTOR_ENV", "TARGET_ENV", "FAILED_AT_FILE"]
+__all__ = ["main", "ADAPTOR_ENV", "TARGET_ENV", "FAILED_AT_FILE", "PEER_GONE"]
 
 #: the adaptor module imported in the worker ("none": none); spawned children read it
 ADAPTOR_ENV = "PORTSPEED_RUN_ADAPTOR"
@@ -133,20 +133,29 @@ def main(argv: list[str] | None = None) -> None:
         _run_as_main(target)
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and exc.code in (0, None)):
-            note_failure_time()
+            note_failure_time(exc)
         raise
 
 
-def note_failure_time() -> None:
+#: words of a collective library's error that says a peer went away (Gloo's transport, NCCL's and the TCP store's):
+#: this rank's failure is the consequence of another's end, not a cause
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Socket closed", "Broken pipe",
+             "remote process exited", "communicator was aborted")
+
+
+def note_failure_time(exc: BaseException | None = None) -> None:
     """Write when this rank's script failed (ns since the epoch) beside torchrun's error file, for the launcher's
     closing line: of two ranks whose endings its poll sees together, the one whose script failed first is the
-    root cause (a peer's error on the connection the first one broke comes later)."""
+    root cause (a peer's error on the connection the first one broke comes later). ``exc`` whose message says a
+    peer went away adds the word ``peer-gone``: a rank that died without Python (a C++ abort, a signal) has no
+    time of its own, and its peer's error may be noted before the launcher saw it die."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return
+    gone = exc is not None and any(w in str(exc) for w in PEER_GONE)
     try:
         with open(os.path.join(os.path.dirname(error_file), FAILED_AT_FILE), "w") as f:
-            f.write(str(time.time_ns()))
+            f.write(f"{time.time_ns()}{' peer-gone' if gone else ''}")
     except OSError:
         pass  # the closing line then orders this rank by when its ending was seen
 
