@@ -112,6 +112,7 @@ class PerfSession:
         self.wall0 = time.time()
         self.t_begin = clock.stamp()
         self.t_fb = self.t_end = None
+        self._host0 = _host_rung_calls()
         if self._memory is None:
             self._memory = _memory_counter()
         self.spans = SpanHooks(chunks, table, clock, self._memory or None).install()
@@ -162,10 +163,20 @@ class PerfSession:
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
         record.update(_link())
+        record["host_rung"] = {op: n - self._host0.get(op, 0) for op, n in _host_rung_calls().items()
+                               if n > self._host0.get(op, 0)}
         from portspeed import get_accelerator
 
         record["device"] = get_accelerator().name  # the adapter: what `compare --perf --png` titles each run with
         writer.append(self.settings.perf_dir, self.rank, record)
+
+
+def _host_rung_calls() -> dict[str, int]:
+    """The aten ops portspeed's host rung ran so far (ops the adapter declares wrong: they have a kernel, so the
+    dispatch mode does not count them as fallbacks; the line's ``host_rung`` is their count over the iteration)."""
+    from portspeed.accelerator import host_rung
+
+    return host_rung.calls()
 
 
 def _memory_counter() -> Any:
