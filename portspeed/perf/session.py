@@ -13,7 +13,8 @@ copies (at module level the Tensor methods, ``syncs``; at op level or on a Priva
 fallbacks are counted too, the dispatch mode, ``dispatch``), the collective timer (``collectives``), the
 portable TE's kernel calls with the implementation that ran (``te_kernels``). Nothing
 is synchronized per module; ``end`` reads the clock once and appends one line to
-``DIR/rank<R>.jsonl`` (``writer``).
+``DIR/rank<R>.jsonl`` (``writer``), with ``host_rung``: the aten ops portspeed's host rung computed on the host over
+the iteration (``portspeed.accelerator.host_rung``; they have a kernel, so they are no fallback).
 """
 
 from __future__ import annotations
