@@ -44,7 +44,7 @@ LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 LEG2_HOOK_TESTS := tests/test_trace.py tests/test_nan_check.py
 
 .PHONY: test-perf-stock stress stress-exit venv venv312 testdev demo test test-leg1 test-leg2 setup-leg1 setup-leg2 leg2-deps \
-        run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock stock-tests megatron-unit-tests bench clean \
+        run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock test-stock-bare stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
 ## Debian packages the tests need: Open MPI (mpirun, and the library mpi4py loads) for DeepSpeed's MPI
@@ -219,6 +219,15 @@ test-perf-stock:
 	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
 	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
 	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/perf_stock_tags.py --git "$(MEGATRON_LM_GIT)"
+
+## Stock pretrain_gpt.py (core_v0.16.1, leg 1) on the bare test device in TP2, from examples/day_one_adapter.py with
+## the lines conformance printed pasted, against CPU TP1 from the same checkpoint, on the local and the TE path (by
+## hand, about 10 minutes on 2 cores: benchmarks/stock_bare_device.py; docs/writing-an-adapter.md).
+test-stock-bare:
+	@test -n "$(MEGATRON_LM_GIT)" || { echo "set MEGATRON_LM_GIT to a Megatron-LM git directory (e.g. /work/.mirror/NVIDIA+Megatron-LM/repo)"; exit 2; }
+	$(MAKE) --no-print-directory venv testdev
+	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
+	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stock_bare_device.py --git "$(MEGATRON_LM_GIT)"
 
 ## Megatron-LM's own unit tests (tests/unit_tests of MEGATRON_LM_ROOT, core_v0.16.x with this venv) under
 ## portspeed on the active adapter, launched as Megatron's CI launches them: one torchrun per target.

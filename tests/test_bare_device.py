@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.launch import REPO, child_json, parse_losses, run_python, torchrun
+from helpers.launch import REPO, parse_losses, run_python, torchrun
 
 #: every fault, the stub CCL included (conformance proposes the staged backend for it: portspeed.comm.staged)
 BARE = "all"
@@ -82,6 +82,7 @@ def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple
         "[FAIL] device: get/set_rng_state replays the device's draws",
         "[FAIL] device: the device answers its total memory (get_device_properties().total_memory, mem_get_info)",
         "[FAIL] kernels: torch scaled_dot_product_attention on the device matches the CPU",
+        "[FAIL] kernels: torch layer_norm on the device matches the CPU",
         "[FAIL] kernels: torch gelu on the device matches the CPU",
     }, out[-4000:]
     assert "NotImplementedError: getMemoryInfo is not implemented" in out
@@ -94,7 +95,9 @@ def test_each_planted_fault_is_named_and_the_lines_to_paste_printed(first: tuple
     lines = _pasted_lines(out)
     names = [ln.split("=")[0].strip() for ln in lines]
     assert names == ["host_generator", "total_memory_bytes", "wrong_torch_ops", "backend"], lines
-    assert lines[0] == "    host_generator = True" and lines[2] == "    wrong_torch_ops = ('attention', 'gelu')", lines
+    assert lines[0] == "    host_generator = True", lines
+    assert lines[2] == "    wrong_torch_ops = ('attention', 'layer_norm', 'gelu')", lines
+    assert "portspeed computes layer_norm on the host for every other caller (Megatron's local path)" in out
     assert lines[3] == '    backend = "staged"', lines
     assert int(lines[1].split("=")[1]) > 0
 
@@ -106,11 +109,37 @@ def test_with_the_lines_pasted_conformance_exits_0(pasted: tuple[Path, int, str]
     assert rc == 0 and "0 failed" in out and "paste" not in out.splitlines()[-1], out[-4000:]
     assert "random ops on the device draw from the host generator, as declared (host_generator)" in out
     assert "the portable TE's attention runs portspeed's reference, which matches" in out
+    assert "[  ok] kernels: torch layer_norm is wrong on the device, as declared (wrong_torch_ops): the portable " \
+           "TE's layer_norm runs portspeed's reference, which matches; torch's layer_norm (Megatron's local path) " \
+           "runs on the host, which matches" in out  # the device's own layer_norm asked with the host rung suspended
     assert "[  ok] kernels: torch gelu is wrong on the device, as declared (wrong_torch_ops): portspeed computes it " \
            "on the host, which matches" in out  # and the device's own gelu, asked with the host rung suspended
     assert "total memory: the device cannot say, the adapter declares total_memory_bytes" in out
     assert "[  ok] collectives: broadcast float32" in out and "[  ok] collectives: real_backend reports the real " \
         "name" in out  # every collective staged through the host, right on the stub CCL's device
+
+
+@pytest.mark.testdev
+@pytest.mark.megatron
+def test_the_training_suite_names_the_ops_one_step_ran_on_the_host(pasted: tuple[Path, int, str]) -> None:
+    """conformance --suites training on the pasted file: the example GPT in TP2 (local spec, LayerNorm: torch's
+    layer_norm, 1.25x off on the device, computed on the host once declared) matches the CPU record, and one line
+    names, from the perf recording of iteration 2 on rank 0, the ops it ran through the CPU fallback and those
+    portspeed computed on the host, with counts: baddbmm and _softmax once per layer and micro-batch (2 x 4), gelu
+    and gelu_backward 8, native_layer_norm and its backward 20 (two per layer and the final norm, x 4)."""
+    res = run_python(["-m", "portspeed.cli", "conformance", "--adapter", f"{pasted[0]}:DayOneAccelerator",
+                      "--suites", "training"], timeout=TIMEOUT, env={"PORTSPEED_TESTDEV_BARE": BARE})
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "[  ok] training: example GPT TP2 matches CPU record" in out, out[-3000:]
+    line = next((ln for ln in out.splitlines() if ln.startswith("host fallbacks in one training step")), "")
+    assert line.startswith("host fallbacks in one training step (iteration 2, rank 0 of TP2): "), out[-3000:]
+    fallback, _, host = line.partition("; computed on the host by portspeed because the adapter declares them "
+                                       "wrong (wrong_torch_ops): ")
+    listed = dict(item.rsplit(" x", 1) for item in fallback.split("): ", 1)[1].split(" (")[0].split(", "))
+    assert listed["baddbmm"] == listed["_softmax"] == "8", line
+    assert not {"gelu", "native_layer_norm", "transpose", "detach", "copy_"} & set(listed), line
+    assert host.startswith("native_layer_norm x20, native_layer_norm_backward x20, gelu x8, gelu_backward x8 (56 "
+                           "calls)"), line
 
 
 @pytest.fixture(scope="module")
@@ -138,29 +167,46 @@ def cpu_init(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-#: (spec, layout flags) on 2 ranks: TP2 on both specs (the portable TE's linears and Megatron's own
+@pytest.fixture(scope="module")
+def cpu_tp1_layernorm() -> dict[int, tuple[float, float | None]]:
+    """The example GPT on Megatron's local spec with LayerNorm (torch.nn.LayerNorm: torch's layer_norm on the
+    device, wrong on the bare one: wrong-layer-norm), on CPU, one rank: the reference of the local LayerNorm run."""
+    from test_example_layouts import TE
+
+    args = [*TE, "--iters", str(ITERS)]
+    args[args.index("transformer_engine")], args[args.index("RMSNorm")] = "local", "LayerNorm"
+    cpu = parse_losses(torchrun("examples/pretrain_gpt.py", 1, args, timeout=TIMEOUT,
+                                env={"PORTSPEED_ACCELERATOR": "cpu"}).check().stdout)
+    assert sorted(cpu) == list(range(1, ITERS + 1)), cpu
+    return cpu
+
+
+#: (spec, normalization, layout flags) on 2 ranks: TP2 on both specs (the portable TE's linears and Megatron's own
 #: tensor-parallel layers communicate differently), PP2 (send/recv; from the initial weights, TE spec) and DP2 (the
-#: gradient all-reduce) once each: the pipeline schedule and DDP do not depend on the spec
-BARE_LAYOUTS = [pytest.param("transformer_engine", ["--tp", "2"], id="te-tp2"),
-                pytest.param("transformer_engine", ["--pp", "2"], id="te-pp2"),
-                pytest.param("local", ["--tp", "2"], id="local-tp2"),
-                pytest.param("local", [], id="local-dp2")]
+#: gradient all-reduce) once each: the pipeline schedule and DDP do not depend on the spec. DP2 runs the local spec
+#: with LayerNorm: torch's layer_norm, wrong on the bare device, computed on the host once declared
+BARE_LAYOUTS = [pytest.param("transformer_engine", "RMSNorm", ["--tp", "2"], id="te-tp2"),
+                pytest.param("transformer_engine", "RMSNorm", ["--pp", "2"], id="te-pp2"),
+                pytest.param("local", "RMSNorm", ["--tp", "2"], id="local-tp2"),
+                pytest.param("local", "LayerNorm", [], id="local-dp2-layernorm")]
 
 
 @pytest.mark.testdev
 @pytest.mark.megatron
-@pytest.mark.parametrize("spec,layout", BARE_LAYOUTS)
+@pytest.mark.parametrize("spec,norm,layout", BARE_LAYOUTS)
 def test_each_layout_on_the_bare_device_with_the_lines_pasted_equals_cpu_tp1(
-        spec: str, layout: list[str], pasted: tuple[Path, int, str], cpu_tp1: dict,
-        request: pytest.FixtureRequest) -> None:
-    """The example GPT (RMSNorm) on 2 ranks of the bare device (every fault, the stub CCL included) with the pasted
-    file: its losses equal CPU TP1's within 1e-5 at every iteration (grad norms within 1e-4 relative), its
-    collectives staged through the host. (With the file as shipped the job ends at start: the next test.)"""
+        spec: str, norm: str, layout: list[str], pasted: tuple[Path, int, str], request: pytest.FixtureRequest
+        ) -> None:
+    """The example GPT on 2 ranks of the bare device (every fault, the stub CCL included) with the pasted file: its
+    losses equal CPU TP1's of the same normalization within 1e-5 at every iteration (grad norms within 1e-4
+    relative), its collectives staged through the host; LayerNorm on the local spec through the host rung (the
+    device's own layer_norm is 1.25x off). (With the file as shipped the job ends at start: the next test.)"""
     from test_example_layouts import TE
     from test_megatron_core_parity import FP32_TOL, _assert_close
 
     args = [*TE, "--iters", str(ITERS), *layout]
-    args[args.index("transformer_engine")] = spec
+    args[args.index("transformer_engine")], args[args.index("RMSNorm")] = spec, norm
+    cpu_tp1 = request.getfixturevalue("cpu_tp1" if norm == "RMSNorm" else "cpu_tp1_layernorm")
     if "--pp" in layout:
         args += ["--load", request.getfixturevalue("cpu_init"), "--finetune"]
     res = torchrun("examples/pretrain_gpt.py", 2, args, timeout=TIMEOUT,
@@ -168,7 +214,7 @@ def test_each_layout_on_the_bare_device_with_the_lines_pasted_equals_cpu_tp1(
                    ).check()
     got = parse_losses(res.stdout)
     assert sorted(got) == list(range(1, ITERS + 1)), res.stdout[-2000:]
-    what = f"{spec} {' '.join(layout) or 'dp2'} on the bare device, lines pasted, vs CPU TP1"
+    what = f"{spec} {norm} {' '.join(layout) or 'dp2'} on the bare device, lines pasted, vs CPU TP1"
     worst = _assert_close(got, cpu_tp1, FP32_TOL, what)
     for it in cpu_tp1:
         assert got[it][1] == pytest.approx(cpu_tp1[it][1], rel=1e-4), f"{what}: iteration {it}: grad norm differs"
@@ -220,77 +266,6 @@ def test_without_the_lines_the_tp2_job_ends_at_start_naming_the_stub_ccls_wrong_
            "group was made (2 ranks): all_reduce: rank " in line, res.stderr[-3000:]
     assert "want [3, 6, 9, 12] (wrong: all_reduce, broadcast, all_gather_into_tensor" in line, line
     assert 'paste into the adapter class DayOneAccelerator: backend = "staged"' in line, line
-
-
-_PROBE = '''
-    import datetime, json
-    import torch, torch.distributed as dist
-    import portspeed.testing.testdev.runtime as rt
-    dev = torch.device("testdev", 0)
-    got = {"faults": list(rt.bare_faults()),
-           "shallow": torch._has_compatible_shallow_copy_type(torch.empty(1), torch.empty(1, device=dev))}
-    try:
-        torch.accelerator.get_memory_info(0)
-        got["memory"] = "answered"
-    except NotImplementedError:
-        got["memory"] = "NotImplementedError"
-    q = torch.randn(1, 2, 8, 16)
-    got["sdpa"] = torch.allclose(torch.nn.functional.scaled_dot_product_attention(q.to(dev), q.to(dev), q.to(dev))
-                                 .cpu(), torch.nn.functional.scaled_dot_product_attention(q, q, q), atol=1e-5)
-    x = torch.randn(64)
-    got["gelu"] = [round((torch.nn.functional.gelu(x.to(dev)).cpu().abs().max() /
-                         torch.nn.functional.gelu(x).abs().max()).item(), 4)]
-    xd = x.to(dev).requires_grad_()
-    torch.nn.functional.gelu(xd).sum().backward()
-    xh = x.clone().requires_grad_()
-    torch.nn.functional.gelu(xh).sum().backward()
-    got["gelu"].append(round((xd.grad.cpu().abs().max() / xh.grad.abs().max()).item(), 4))
-    host = torch.get_rng_state()
-    torch.nn.functional.dropout(torch.ones(64, device=dev), 0.5)
-    got["host_rng"] = not torch.equal(host, torch.get_rng_state())
-    dist.init_process_group("testccl", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    out = torch.zeros(4, device=dev)
-    dist.all_gather_into_tensor(out, torch.arange(1.0, 5.0, device=dev))
-    got["all_gather"] = out.cpu().tolist()
-    dist.destroy_process_group()
-    import portspeed
-    got["adapter"] = portspeed.get_accelerator().name  # selection: detects the shallow-copy answer, fixes it
-    m = torch.nn.Linear(2, 2)
-    w = m.weight
-    w.tensor_model_parallel = True
-    m.to(dev)
-    got["kept"] = m.weight is w and getattr(m.weight, "tensor_model_parallel", False)
-    print(json.dumps(got))
-'''
-
-
-@pytest.mark.testdev
-@pytest.mark.parametrize("bare", ["", "all"])
-def test_each_switch_plants_its_fault_and_the_default_is_unchanged(bare: str) -> None:
-    """PORTSPEED_TESTDEV_BARE=all: no shallow-copy kernel, memory info raises, SDPA wrong, random ops on the host
-    generator, the CCL moves nothing, gelu and its gradient 1.25x; unset: none of these. On both, module.to keeps the
-    Parameter after selection (on the bare device because portspeed registered the kernel)."""
-    got = child_json(_PROBE, timeout=TIMEOUT, env={"PORTSPEED_TESTDEV_BARE": bare, "PORTSPEED_ACCELERATOR": "testdev"})
-    on = bool(bare)
-    assert got["faults"] == (["no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl",
-                              "wrong-gelu"] if on else []), got
-    assert got["gelu"] == ([1.25, 1.25] if on else [1.0, 1.0]), got
-    assert got["shallow"] is not on and got["memory"] == ("NotImplementedError" if on else "answered"), got
-    assert got["sdpa"] is not on and got["host_rng"] is on, got
-    assert got["all_gather"] == ([0.0] * 4 if on else [1.0, 2.0, 3.0, 4.0]), got
-    assert got["adapter"] == "testdev" and got["kept"] is True, got
-
-
-def test_a_bare_value_that_names_no_fault_is_refused_in_one_line() -> None:
-    """A typo in PORTSPEED_TESTDEV_BARE is refused before the library loads, listing the faults."""
-    from portspeed.testing.testdev.bare import BareValueError, faults
-
-    assert faults("wrong-sdpa, host-rng") == ("wrong-sdpa", "host-rng")
-    assert faults("all") == ("no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl", "wrong-gelu")
-    with pytest.raises(BareValueError, match="'wrong-sdp' is not a fault of the bare test device; give a comma "
-                                             "list of no-memory-info, no-shallow-copy"):
-        faults("wrong-sdp")
 
 
 def test_every_view_call_that_reaches_the_adapter_is_made_by_conformance() -> None:

@@ -353,3 +353,18 @@ def test_a_device_without_timing_events_gets_the_host_clock_and_says_so(monkeypa
     said = clock.describe()
     assert said["clock"] == "host-synchronized" and "no timing events (NotImplementedError: this runtime has no " \
         "events)" in said["clock_note"], said
+
+
+@pytest.mark.testdev
+def test_one_run_on_the_test_device_names_its_host_fallbacks_with_counts(runs: dict[str, Any]) -> None:
+    """`compare --perf RUN` on the test device's recording ends its report with the line of the ops its first timed
+    iteration ran through the CPU fallback: gelu and gelu_backward (the test device has no kernel of its own for
+    them) once per layer and micro-batch, 2 x 2; views and copies, which no fallback serves, are not named."""
+    _, out, _ = compare(recording(runs, "testdev-slow"))
+    line = next((ln for ln in out.splitlines() if ln.startswith("host fallbacks in one training step")), "")
+    assert line.startswith("host fallbacks in one training step (iteration 2, rank 0): "), out[:3000]
+    named = dict(item.rsplit(" x", 1) for item in line.split(": ", 1)[1].split(" (")[0].split(", "))
+    n = 2 * MICRO_BATCHES
+    assert named.get("gelu") == named.get("gelu_backward") == str(n), line
+    assert not {"transpose", "detach", "view", "t", "copy_", "_to_copy"} & set(named), line
+    assert "register PrivateUse1 kernels for them" in line, line

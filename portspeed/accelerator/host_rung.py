@@ -2,8 +2,9 @@
 
 Why: conformance's kernels suite can find one of torch's own ops wrong on a device (a vendor's kernel, or what its
 CPU fallback does with it). Megatron's local path and the portable TE send matmul, softmax, gelu, cross-entropy...
-to torch on the device directly; the portable TE's kernel ladder has another rung only for attention and the norms.
-For the others one rung is right on every device that can copy to and from the host: the host itself.
+to torch on the device directly; the portable TE's kernel ladder has another rung only for attention and the norms,
+and Megatron's local path calls the norms through torch (``torch.nn.LayerNorm`` / ``RMSNorm``). For those one rung
+is right on every device that can copy to and from the host: the host itself.
 
 What: ``HOST_OPS`` maps each name ``wrong_torch_ops`` may give (conformance's names) to the aten operators behind
 it, forward and backward. ``ensure(acc)``, at the adapter's selection, registers for the device's dispatch key only
@@ -37,7 +38,13 @@ HOST_OPS: dict[str, tuple[str, ...]] = {
     "gelu": ("gelu", "gelu_backward"),
     "silu": ("silu", "silu_backward"),
     "cross_entropy": ("_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward"),
+    "layer_norm": ("native_layer_norm", "native_layer_norm_backward"),
+    "rms_norm": ("rms_norm",),
 }
+#: aten ops that torch composes of other ops on a PrivateUse1 device (rms_norm: pow, mean, rsqrt, mul on torch 2.13
+#: and 2.15), so autograd never reaches the device's key with them: their host kernel is registered at the device's
+#: autograd key too, and autograd differentiates the host's computation (the copies to and from the host included)
+_AUTOGRAD_TOO = frozenset({"rms_norm"})
 #: in-tree device types and their dispatch keys (any other device is torch's PrivateUse1 device, or not served)
 _KEYS = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU", "mtia": "MTIA"}
 
@@ -72,7 +79,10 @@ def _register(key: str, names: tuple[str, ...]) -> None:
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901 - aten kernels for the device's key only
     for name in names:
         for aten in HOST_OPS[name]:
-            lib.impl(aten, _on_host(getattr(torch.ops.aten, aten).default), key)
+            kernel = _on_host(getattr(torch.ops.aten, aten).default)
+            lib.impl(aten, kernel, key)
+            if aten in _AUTOGRAD_TOO:
+                lib.impl(aten, kernel, f"Autograd{key}")
     _library = lib
 
 

@@ -30,6 +30,12 @@ class Report:
     paste: dict[str, str] = dataclasses.field(default_factory=dict)
     #: the adapter class the lines go into (named in the heading)
     adapter_class: str = ""
+    #: what a suite found that is no pass or fail (the host fallbacks of a training step), printed after the checks
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def note(self, line: str) -> None:
+        """A finding to print as its own line after the checks (neither a pass nor a failure)."""
+        self.notes.append(line)
 
     def declare(self, name: str, value: str) -> None:
         """Ask for ``name = value`` in the adapter class (a failed check found what it must say)."""
@@ -65,6 +71,7 @@ class Report:
         for c in self.checks:
             mark = "skip" if c.skipped else ("ok" if c.ok else "FAIL")
             lines.append(f"  [{mark:>4}] {c.suite}: {c.name}" + (f" -- {c.detail}" if c.detail else ""))
+        lines.extend(self.notes)
         lines.append("conformance: " + self.summary_line())
         if self.paste:
             where = f"the adapter class {self.adapter_class}" if self.adapter_class else "the adapter class"
@@ -74,4 +81,4 @@ class Report:
 
     def to_json(self) -> str:
         return json.dumps({"adapter": self.adapter, "checks": [dataclasses.asdict(c) for c in self.checks],
-                           "paste": self.paste}, indent=1)
+                           "paste": self.paste, "notes": self.notes}, indent=1)

@@ -9,9 +9,10 @@ magnitude of the CPU's answer).
 
 A wrong op is named with its case, and the check prints the declaration (``wrong_torch_ops``) that moves it to a
 rung that is right: where the portable Transformer Engine has another rung for it (SDPA: ``attention``;
-``layer_norm``; ``rms_norm``), that rung; for the others (matmul, addmm, baddbmm, softmax, gelu, silu,
-cross_entropy), the host (``portspeed.accelerator.host_rung``: every caller, Megatron's local path included). Once
-declared, it checks that the device's own op is still wrong and that the rung is right, on the device.
+``layer_norm``; ``rms_norm``), that rung, and for the norms also the host (Megatron's local path calls torch's);
+for the others (matmul, addmm, baddbmm, softmax, gelu, silu, cross_entropy), the host
+(``portspeed.accelerator.host_rung``: every caller, Megatron's local path included). Once declared, it checks that
+the device's own op is still wrong (the host rung suspended) and that the rung is right, on the device.
 """
 
 from __future__ import annotations
@@ -138,9 +139,11 @@ def run_torch_op_checks(acc: Any, report: Report) -> None:
             report.add(SUITE, f"torch {op} on the device matches the CPU", True)
         elif te is not None:
             wrong.append(te)
+            others = (f"portspeed computes {op} on the host for every other caller (Megatron's local path)"
+                      if te in HOST_OPS else "Megatron's local path does not use it")
             report.add(SUITE, f"torch {op} on the device matches the CPU", False,
-                       f"{bad} -- the portable TE's {te} moves off torch's op when the adapter declares "
-                       f"wrong_torch_ops (printed at the end); Megatron's local path does not use it")
+                       f"{bad} -- the portable TE's {te} moves off torch's op, and {others}, when the adapter "
+                       "declares wrong_torch_ops (printed at the end)")
         elif op in HOST_OPS:
             wrong.append(op)
             report.add(SUITE, f"torch {op} on the device matches the CPU", False,
@@ -156,10 +159,13 @@ def run_torch_op_checks(acc: Any, report: Report) -> None:
 
 def _check_te_rung(acc: Any, op: str, te: str, device: Any, report: Report) -> None:
     """A declared TE op: still wrong on the device (else the declaration goes), and the rung it moves to is right."""
+    from portspeed.accelerator import host_rung
     from portspeed.conformance.kernels import compare_kernel
     from portspeed.portable_te.kernels import TABLE, import_path
 
-    if compare_torch_op(op, device) is None:
+    with host_rung.suspended():  # the device's own op (the norms are computed on the host too, once declared)
+        own = compare_torch_op(op, device)
+    if own is None:
         report.add(SUITE, f"torch {op} on the device (declared wrong: wrong_torch_ops has {te!r})", False,
                    f"it matches the CPU on the device: take {te!r} out of wrong_torch_ops (the portable TE "
                    "then uses torch's op again)")
@@ -167,9 +173,16 @@ def _check_te_rung(acc: Any, op: str, te: str, device: Any, report: Report) -> N
     kernel = acc.kernels().get(te)
     rung = "the adapter's kernel" if kernel is not None else "portspeed's reference"
     fn = import_path(TABLE[te].reference) if kernel is None else _resolved(acc, te, kernel)
-    ref_bad = compare_kernel(te, fn, device)
+    bad = compare_kernel(te, fn, device)
+    host = ""
+    if te in host_rung.HOST_OPS:  # torch's op itself, for Megatron's local path: computed on the host
+        host = f"; torch's {op} (Megatron's local path) runs on the host, which matches"
+        if te not in host_rung.registered():
+            bad = bad or (f"{own} -- and the host rung is not registered for this device (its dispatch key is "
+                          "not PrivateUse1 nor an in-tree one portspeed knows)")
+        bad = bad or compare_torch_op(op, device)
     report.add(SUITE, f"torch {op} is wrong on the device, as declared (wrong_torch_ops): the portable TE's "
-               f"{te} runs {rung}, which matches", ref_bad is None, ref_bad or "")
+               f"{te} runs {rung}, which matches{host}", bad is None, bad or "")
 
 
 def _check_host_rung(op: str, device: Any, report: Report) -> None:

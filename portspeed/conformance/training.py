@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from portspeed.conformance.report import Report
@@ -24,6 +25,8 @@ SUITE = "training"
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 TOLERANCE = 1e-5
 ITERS = 5
+#: the iteration whose host fallbacks are named (the first after the warm-up one)
+PERF_ITERATION = 2
 TRAINER_ARGS = ["--tp", "2", "--iters", str(ITERS), "--num-layers", "2", "--hidden-size", "64",
                 "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128",
                 "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "1e-3", "--seed", "1234"]
@@ -46,14 +49,17 @@ def golden_path() -> Path:
     return GOLDEN_DIR / f"gpt_tp2_fp32-mcore{_megatron_minor()}.json"
 
 
-def train(adapter: str, timeout: float = 600) -> dict[int, float]:
-    """Run the trainer on ``adapter`` (2 ranks); its lm loss per iteration."""
+def train(adapter: str, timeout: float = 600, perf_dir: str | None = None) -> dict[int, float]:
+    """Run the trainer on ``adapter`` (2 ranks); its lm loss per iteration. With ``perf_dir``, rank 0 records
+    iteration ``PERF_ITERATION`` there (the perf recording: its CPU fallbacks, ``portspeed.perf``)."""
     from portspeed.testing import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(trainer_path()), *TRAINER_ARGS]
     env = {**os.environ, "PORTSPEED_ACCELERATOR": adapter, "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
+    if perf_dir is not None:
+        env.update(PORTSPEED_PERF=perf_dir, PORTSPEED_PERF_ITERATIONS=str(PERF_ITERATION), PORTSPEED_PERF_RANKS="0")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"the trainer failed on {adapter!r} (exit {res.returncode}): {res.stderr[-1500:]}")
@@ -77,13 +83,31 @@ def run_training_check(adapter: str, report: Report) -> None:
         else:
             want = train("cpu")
             source = f"a CPU run here (no record for megatron-core {_megatron_minor()})"
-        got = train(adapter)
+        with tempfile.TemporaryDirectory(prefix="portspeed-conformance-perf-") as perf_dir:
+            got = train(adapter, perf_dir=perf_dir)
+            report.note(host_fallbacks_line(perf_dir))
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         report.add(SUITE, "example GPT TP2 matches the CPU losses", False, str(exc))
         return
     worst = max(abs(got[i] - want[i]) for i in want)
     report.add(SUITE, f"example GPT TP2 matches {source} within {TOLERANCE:g}", worst <= TOLERANCE,
                f"max |diff| {worst:.3g}: " + ", ".join(f"it {i}: {got[i]!r} vs {want[i]!r}" for i in sorted(want)))
+
+
+def host_fallbacks_line(perf_dir: str) -> str:
+    """The line naming the ops rank 0 ran on the host in iteration ``PERF_ITERATION`` (the CPU fallback's, and
+    portspeed's host rung's), read from the perf recording the training run wrote in ``perf_dir``."""
+    from portspeed.parity.host_fallbacks import PREFIX, fallback_line
+
+    path = Path(perf_dir) / "rank0.jsonl"
+    lines = [json.loads(t) for t in path.read_text().splitlines() if t.strip()] if path.exists() else []
+    line = next((ln for ln in lines if ln.get("iteration") == PERF_ITERATION), None)
+    if line is None:
+        return f"{PREFIX}: not recorded (rank 0 wrote no perf line of iteration {PERF_ITERATION} in {perf_dir})"
+    if line.get("syncs_seen_by") != "dispatch":
+        return (f"{PREFIX}: not counted (torch's CPU fallback is watched on a PrivateUse1 device only; this "
+                f"device is {line.get('device')!r})")
+    return fallback_line(line, f"iteration {PERF_ITERATION}, rank 0 of TP2")
 
 
 def write_golden() -> Path:

@@ -29,6 +29,7 @@ import json
 from typing import Any, TextIO
 
 from portspeed.parity import perf_links, perf_ranks, perf_slow_links
+from portspeed.parity.host_fallbacks import run_line
 from portspeed.parity.perf_format import PerfInputError, PerfRun, median, read_run, share
 from portspeed.parity.perf_links import bus_factor
 
@@ -182,6 +183,9 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
             note += draw_ranks(run, perf_ranks.find_slow_rank(run), png).note
         code = perf_ranks.report(run, out)
         code = max(code, perf_slow_links.report(run, out))
+        fallbacks = run_line(run.lines)  # a PrivateUse1 device's CPU-fallback ops and the host rung's, if any
+        if fallbacks:
+            print(fallbacks, file=out)
         _collectives(run, table, links, out)
         if json_path:
             _dump(json_path, {"slow_rank": perf_ranks.describe(run), "slow_links": perf_slow_links.describe(run),

@@ -11,7 +11,8 @@ timed iteration; each op it sees is charged to the innermost open span (``portsp
   ``masked_select``, ``unique``...) on a device tensor; a device-to-host copy is also a sync;
 - ``copies``: ``d2h`` / ``h2d`` counts and bytes;
 - ``fallbacks``: ops on a PrivateUse1 device tensor that have no kernel registered for the
-  PrivateUse1 key (``torch._C._dispatch_has_kernel_for_dispatch_key``), by op name;
+  PrivateUse1 key (``torch._C._dispatch_has_kernel_for_dispatch_key``), by op name, except views and
+  copies (``moves_no_data``: torch's own kernels serve them on the device, no arithmetic reaches the fallback);
 - at op level, each op's start and end stamps (``ops``).
 
 "A device tensor" is one on the active adapter's device type (on the CPU adapter, the host: its
@@ -43,6 +44,20 @@ _COPIES = {_aten._to_copy.default, _aten.copy_.default}
 _WATCHED = frozenset(SYNC_OPS) | _COPIES
 
 
+#: ops that only allocate or copy: torch's composite kernels serve them with the device's allocator and copy
+_COPY_OPS = frozenset({"_unsafe_view", "copy_", "_to_copy", "clone", "_copy_from", "_copy_from_and_resize",
+                       "empty_like", "new_empty", "new_empty_strided", "empty_strided", "lift_fresh"})
+
+
+def moves_no_data(func: Any) -> bool:
+    """Whether ``func`` is a view (its results alias an input, nothing written) or an allocation or copy: no CPU
+    fallback even without a PrivateUse1 kernel of its own."""
+    rets = func._schema.returns
+    if rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets):
+        return True
+    return func.name().split("::")[-1].split(".")[0] in _COPY_OPS
+
+
 def _first_tensor(args: tuple) -> torch.Tensor | None:
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -69,6 +84,7 @@ class HostWatch(TorchDispatchMode):
         if got is None:
             try:
                 got = bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "PrivateUse1"))
+                got = got or moves_no_data(func)
             except Exception:  # an op the dispatcher cannot name: not counted
                 got = True
             self._has_kernel[func] = got

@@ -13,7 +13,8 @@ copies (at module level the Tensor methods, ``syncs``; at op level or on a Priva
 fallbacks are counted too, the dispatch mode, ``dispatch``), the collective timer (``collectives``), the
 portable TE's kernel calls with the implementation that ran (``te_kernels``). Nothing
 is synchronized per module; ``end`` reads the clock once and appends one line to
-``DIR/rank<R>.jsonl`` (``writer``).
+``DIR/rank<R>.jsonl`` (``writer``), with ``host_rung``: the aten ops portspeed's host rung computed on the host over
+the iteration (``portspeed.accelerator.host_rung``; they have a kernel, so they are no fallback).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class PerfSession:
         self.wall0 = time.time()
         self.t_begin = clock.stamp()
         self.t_fb = self.t_end = None
+        self._host0 = _host_rung_calls()
         if self._memory is None:
             self._memory = _memory_counter()
         self.spans = SpanHooks(chunks, table, clock, self._memory or None).install()
@@ -162,10 +164,20 @@ class PerfSession:
             layout={"tp": parallel.tp, "cp": parallel.cp, "ep": parallel.ep, "dp": parallel.dp, "sp": parallel.sp,
                     "pp": _pp(), "ranks": meta.megatron_ranks()})
         record.update(_link())
+        record["host_rung"] = {op: n - self._host0.get(op, 0) for op, n in _host_rung_calls().items()
+                               if n > self._host0.get(op, 0)}
         from portspeed import get_accelerator
 
         record["device"] = get_accelerator().name  # the adapter: what `compare --perf --png` titles each run with
         writer.append(self.settings.perf_dir, self.rank, record)
+
+
+def _host_rung_calls() -> dict[str, int]:
+    """The aten ops portspeed's host rung ran so far (ops the adapter declares wrong: they have a kernel, so the
+    dispatch mode does not count them as fallbacks; the line's ``host_rung`` is their count over the iteration)."""
+    from portspeed.accelerator import host_rung
+
+    return host_rung.calls()
 
 
 def _memory_counter() -> Any:

@@ -4,8 +4,8 @@ The test device quietly does what a vendor's first PrivateUse1 device often leav
 device, OpenReg, on torch 2.13 among them), and so hides the faults a port meets there. The bare variant turns
 each of those off, in the same built library, by name:
 
-``PORTSPEED_TESTDEV_BARE=no-memory-info,no-shallow-copy,wrong-sdpa,host-rng,stub-ccl,wrong-gelu`` (a comma
-list; ``all``: every fault), read once when the library loads; unset or empty: the full test device, as before.
+``PORTSPEED_TESTDEV_BARE=no-memory-info,no-shallow-copy,wrong-sdpa,host-rng,stub-ccl,wrong-gelu,wrong-layer-norm``
+(a comma list; ``all``: every fault), read once when the library loads; unset or empty: the full test device, as before.
 
 ==================  =====================================================================================
 fault               what the device then does
@@ -20,6 +20,8 @@ stub-ccl            testccl moves no data: all_reduce hands the input back, broa
                     all_gather / reduce_scatter / all_to_all leave zeros
 wrong-gelu          ``aten::gelu`` and ``gelu_backward`` answer 1.25x the right value (a torch op with no
                     other rung in the portable TE: portspeed's host rung serves it, ``wrong_torch_ops``)
+wrong-layer-norm    ``aten::native_layer_norm`` and ``native_layer_norm_backward`` answer 1.25x the right value
+                    (torch's layer_norm, which Megatron's local path calls: the host rung serves it there)
 ==================  =====================================================================================
 
 A test device, not hardware: this module only names the switches and checks a value; the C++ library
@@ -43,6 +45,7 @@ FAULTS: dict[str, str] = {
     "host-rng": "random ops on the device draw from the host generator",
     "stub-ccl": "testccl moves no data",
     "wrong-gelu": "its gelu (forward and backward) answers 1.25x the right value",
+    "wrong-layer-norm": "its layer_norm (forward and backward) answers 1.25x the right value",
 }
 
 

@@ -62,7 +62,7 @@ namespace {
 const std::vector<std::string>& read_bare_faults() {
   static const std::vector<std::string> faults = [] {
     static const char* const kAll[] = {"no-memory-info", "no-shallow-copy", "wrong-sdpa", "host-rng", "stub-ccl",
-                                       "wrong-gelu"};
+                                       "wrong-gelu", "wrong-layer-norm"};
     std::vector<std::string> out;
     const char* env = std::getenv("PORTSPEED_TESTDEV_BARE");
     std::string value = env == nullptr ? "" : env;

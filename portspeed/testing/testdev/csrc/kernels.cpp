@@ -187,16 +187,26 @@ bool is_generator_argument(const c10::Argument& arg) {
   return false;
 }
 
-// The bare variant's wrong-gelu: gelu and gelu_backward answer 1.25x the right value (an activation kernel of the
-// vendor's off by a factor), in every dtype; the results are scaled on the device after the host computed them.
-bool skewed_by_wrong_gelu(const c10::OperatorName& name) {
-  return (name.name == "aten::gelu" || name.name == "aten::gelu_" || name.name == "aten::gelu_backward") &&
-         bare("wrong-gelu");
+// The bare variant's wrong-gelu and wrong-layer-norm: gelu and gelu_backward, native_layer_norm and
+// native_layer_norm_backward answer 1.25x the right value (a kernel of the vendor's off by a factor), in every
+// dtype; the results are scaled on the device after the host computed them.
+bool skewed_by_bare(const c10::OperatorName& name) {
+  if (name.name == "aten::gelu" || name.name == "aten::gelu_" || name.name == "aten::gelu_backward") {
+    return bare("wrong-gelu");
+  }
+  if (name.name == "aten::native_layer_norm" || name.name == "aten::native_layer_norm_backward") {
+    return bare("wrong-layer-norm");
+  }
+  return false;
 }
 
-void skew_results(torch::jit::Stack* stack, size_t returns) {
-  for (size_t i = stack->size() - returns; i < stack->size(); ++i) {
-    if ((*stack)[i].isTensor()) (*stack)[i].toTensor().mul_(1.25);
+// Every result, but of native_layer_norm only the output: its mean and rstd, saved for the backward, stay right, so
+// the backward too is off by exactly the factor.
+void skew_results(torch::jit::Stack* stack, size_t returns, const c10::OperatorName& name) {
+  const size_t first = stack->size() - returns;
+  const size_t skewed = name.name == "aten::native_layer_norm" ? 1 : returns;
+  for (size_t i = first; i < first + skewed; ++i) {
+    if ((*stack)[i].isTensor() && (*stack)[i].toTensor().defined()) (*stack)[i].toTensor().mul_(1.25);
   }
 }
 
@@ -223,7 +233,7 @@ void checked_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                 "testdev: random operator ", schema.operator_name(),
                 " has no device kernel; running it on the host would draw from the host generator");
     at::native::cpu_fallback(op, stack);
-    if (skewed_by_wrong_gelu(schema.operator_name())) skew_results(stack, schema.returns().size());
+    if (skewed_by_bare(schema.operator_name())) skew_results(stack, schema.returns().size(), schema.operator_name());
     return;
   }
 
