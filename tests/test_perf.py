@@ -82,12 +82,14 @@ def launch_run(name: str, root: Path) -> Result:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every run of RUNS: {"root": Path, name: Result}. The clean TP2 run goes alone: beside other jobs on two
-    cores one of its ranks is starved, a real slow rank that its report would rightly name; then the others
-    two at a time."""
+    """Every run of RUNS: {"root": Path, name: Result}. The two TP2 runs go alone, one after the other: beside
+    other jobs on two cores one of their ranks is starved, a real slow rank that the clean run's report would
+    rightly name, and that made the planted slow rank wait too (read as "waiting", not "busy computing", with
+    another run beside it at load 10, 2026-11-29); then the others two at a time."""
     root = tmp_path_factory.mktemp("perf")
-    got = {"tp2": launch_run("tp2", root)}
-    rest = [k for k in RUNS if k != "tp2"]
+    alone = ("tp2", "tp2-slow-rank")
+    got = {k: launch_run(k, root) for k in alone}
+    rest = [k for k in RUNS if k not in alone]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         got.update(zip(rest, pool.map(lambda k: launch_run(k, root), rest)))
     return {"root": root, **got}

@@ -148,7 +148,6 @@ def slowest_op(e: Excess, ref: PerfRun, run: PerfRun) -> str | None:
     """At op level on both sides: the operator inside the part whose share of the step grew most (None: no op
     times, or none grew)."""
     key = (e.path, e.phase)
-    line = run.lines[(e.iteration, e.rank)]
     ops = run.parts(e.iteration, e.rank).get(key, {}).get("ops") or {}
     if not ops or not any(r.get("ops") for (i, q) in ref.lines for r in ref.parts(i, q).values()):
         return None
@@ -156,8 +155,15 @@ def slowest_op(e: Excess, ref: PerfRun, run: PerfRun) -> str | None:
     for op in ops:
         base[op] = median([100.0 * float((ref.parts(i, q).get(key, {}).get("ops") or {}).get(op, [0, 0.0])[1])
                            / float(ref_line["step_ms"]) for (i, q), ref_line in ref.lines.items()])
-    step = float(line["step_ms"])
-    grew = {op: 100.0 * float(v[1]) / step - base[op] for op, v in ops.items()}
+    its = [i for i in run.iterations if (i, e.rank) in run.lines]
+
+    def share_in(i: int, op: str) -> float:  # the op's share of iteration i's step inside the part, on RUN
+        got = (run.parts(i, e.rank).get(key, {}).get("ops") or {}).get(op, [0, 0.0])
+        return 100.0 * float(got[1]) / float(run.lines[(i, e.rank)]["step_ms"])
+
+    # the median over RUN's iterations, as for the part: one iteration's hiccup inside a cheap op (a view called
+    # eighty times, each call stretched by the scheduler on a loaded machine) names nothing
+    grew = {op: median([share_in(i, op) for i in its]) - base[op] for op in ops}
     op = max(grew, key=lambda k: grew[k])
     return op if grew[op] > 0 else None
 
