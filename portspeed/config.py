@@ -22,7 +22,8 @@ from portspeed.settings import (BY_ENV, BY_FIELD, HANG_TRACE_ENTRIES, PROBE_LEVE
                                 parse_probe_iterations, parse_seconds, parse_te_kernels, writable_folder)
 
 __all__ = ["Settings", "settings", "reload", "use", "read", "parse_accelerator", "parse_bool", "parse_names",
-           "parse_te_kernels", "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "LATE_MODULES_ENV",
+           "parse_te_kernels", "TE_KERNEL_OPS", "TE_KERNEL_IMPLS", "check_findable_modules", "note_entry_script",
+           "LATE_MODULES_ENV",
            "parse_seconds", "TRACE_ENV", "TRACE_DIR_ENV", "TRACE_ON_EXIT_ENV", "HANG_TIMEOUT_ENV",
            "HANG_TRACE_ENTRIES", "PROBE_ENV", "PERF_ENV", "PROBE_LEVELS", "parse_probe_iterations", "writable_folder",
            "Setting", "TABLE", "BY_ENV", "BY_FIELD"]
@@ -128,17 +129,27 @@ def _findable(name: str, beside: list[str]) -> bool:
     return spec is not None
 
 
+#: the folder of the script a `portspeed run` worker is about to run (``note_entry_script``), or none
+_entry_folders: list[str] = []
+
+
+def note_entry_script(path: str | None) -> None:
+    """Say which script this process is about to run as ``__main__`` (None: none, or a module): `portspeed run`'s
+    worker imports the adaptor before it puts the script's folder on sys.path, and the modules a setting names
+    may live beside the script. A call, not a variable in ``os.environ``: it is this process's own fact."""
+    _entry_folders[:] = [os.path.dirname(os.path.abspath(path))] if path else []
+
+
 def check_findable_modules(var: str, names: Iterable[str], env: Mapping[str, str] | None = None) -> None:
     """Refuse module names no finder locates (a typo in ``var``), naming them; ``__main__`` always exists.
 
     Run at the adaptor's import, in the process whose sys.path the modules are imported from
-    (not by `portspeed run`'s launcher, whose sys.path is not the script's).
+    (not by `portspeed run`'s launcher, whose sys.path is not the script's); the entry script's folder
+    (``note_entry_script``) counts as on sys.path.
     """
     env = os.environ if env is None else env
     late = {n.strip() for n in env.get(LATE_MODULES_ENV, "").split(",") if n.strip()}
-    # `portspeed run`'s worker imports the adaptor before it puts the script's folder on sys.path
-    target = env.get("PORTSPEED_RUN_TARGET", "")
-    beside = [os.path.dirname(target[5:])] if target.startswith("path:") else []
+    beside = list(_entry_folders)
     missing = [n for n in names if n != "__main__" and n not in late and not _findable(n, beside)]
     if missing:
         raise ConfigError(

@@ -270,8 +270,11 @@ def test_framework_module_beside_the_script_counts_under_portspeed_run(tmp_path:
     (tmp_path / "rl_helpers_beside.py").write_text("")
     with pytest.raises(ConfigError, match="rl_helpers_beside"):
         config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", ["rl_helpers_beside"], env={})
-    config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", ["rl_helpers_beside"],
-                                  env={"PORTSPEED_RUN_TARGET": f"path:{tmp_path / 'train.py'}"})
+    config.note_entry_script(str(tmp_path / "train.py"))  # what the worker says before it imports the adaptor
+    try:
+        config.check_findable_modules("PORTSPEED_FRAMEWORK_MODULES", ["rl_helpers_beside"], env={})
+    finally:
+        config.note_entry_script(None)
 
 
 def test_unimportable_framework_module_fails_the_adaptor_import_itself() -> None:

@@ -36,6 +36,8 @@ import time
 import types
 from typing import Any
 
+from portspeed import config
+
 __all__ = ["main", "ADAPTOR_ENV", "TARGET_ENV", "FAILED_AT_FILE", "PEER_GONE"]
 
 #: the adaptor module imported in the worker ("none": none); spawned children read it
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
 
     note_unrecorded(opts.adaptor)  # under a hang timeout: why this rank records nothing, until it does
     target = f"module:{what}" if opts.module else f"path:{os.path.abspath(what)}"
-    os.environ[TARGET_ENV] = target  # first: the adaptor's check of PORTSPEED_FRAMEWORK_MODULES looks beside it
+    os.environ[TARGET_ENV] = target  # for the children it spawns (multiprocessing): they re-run it as __mp_main__
+    config.note_entry_script(None if opts.module else what)  # first: the adaptor's module check looks beside it
     _import_adaptor(opts.adaptor)
     if not opts.module:
         sys.path[0] = os.path.dirname(target[len("path:"):])
@@ -165,6 +168,7 @@ def _spawned_child() -> None:
     target = os.environ.get(TARGET_ENV)
     if not target:
         return
+    config.note_entry_script(target[len("path:"):] if target.startswith("path:") else None)
     _import_adaptor(os.environ.get(ADAPTOR_ENV))
     code, extra = _code_of(target)
     ns = globals()
