@@ -44,7 +44,7 @@ LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 LEG2_HOOK_TESTS := tests/test_trace.py tests/test_nan_check.py
 
 .PHONY: test-perf-stock stress stress-exit venv venv312 testdev demo test test-leg1 test-leg2 setup-leg1 setup-leg2 leg2-deps \
-        run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock test-stock-bare stock-tests megatron-unit-tests bench clean \
+        run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock test-stock-bare stock-tag-venvs stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
 ## Debian packages the tests need: Open MPI (mpirun, and the library mpi4py loads) for DeepSpeed's MPI
@@ -196,28 +196,25 @@ test-stock-matrix:
 	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
 	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/stock_matrix.py --git "$(MEGATRON_LM_GIT)"
 
-## The probe on stock pretrain_gpt.py at every supported tag (by hand, about 15 minutes on 2 cores): probed and
-## unprobed TP1 print the same losses, clean TP2 agrees with TP1, and the three planted faults (an all_reduce
-## averaged, a NaN, the test device's rms_norm off by 1e-3) are named in the first line (benchmarks/probe_stock_tags.py).
-test-probe-stock:
+## Both venvs with the test device and the stock script's extras, for the by-hand runs at every tag below.
+stock-tag-venvs:
 	@test -n "$(MEGATRON_LM_GIT)" || { echo "set MEGATRON_LM_GIT to a Megatron-LM git directory (e.g. /work/.mirror/NVIDIA+Megatron-LM/repo)"; exit 2; }
 	$(MAKE) --no-print-directory venv testdev
 	$(MAKE) --no-print-directory venv312
 	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt testdev
 	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
 	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
+
+## The probe on stock pretrain_gpt.py at every supported tag (by hand, about 15 minutes on 2 cores): probed and
+## unprobed TP1 print the same losses, clean TP2 agrees with TP1, and the three planted faults (an all_reduce
+## averaged, a NaN, the test device's rms_norm off by 1e-3) are named in the first line (benchmarks/probe_stock_tags.py).
+test-probe-stock: stock-tag-venvs
 	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/probe_stock_tags.py --git "$(MEGATRON_LM_GIT)"
 
 ## --perf on stock pretrain_gpt.py at every supported tag (by hand, a few minutes a tag on 2 cores): two clean TP1
 ## runs name no part, and the three planted slownesses (a module slowed on the test device, .item() round trips,
 ## a slow TP2 rank) are named in compare --perf's first line (benchmarks/perf_stock_tags.py).
-test-perf-stock:
-	@test -n "$(MEGATRON_LM_GIT)" || { echo "set MEGATRON_LM_GIT to a Megatron-LM git directory (e.g. /work/.mirror/NVIDIA+Megatron-LM/repo)"; exit 2; }
-	$(MAKE) --no-print-directory venv testdev
-	$(MAKE) --no-print-directory venv312
-	$(MAKE) --no-print-directory PYTHON="$(PYTHON312)" VENV=.venv312 CONSTRAINTS=constraints-py312.txt testdev
-	$(LEG_PIP) .venv/bin/python -m pip install -q -c constraints.txt -e ".[stock]"
-	$(LEG_PIP) .venv312/bin/python -m pip install -q -c constraints-py312.txt -e ".[stock]"
+test-perf-stock: stock-tag-venvs
 	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/perf_stock_tags.py --git "$(MEGATRON_LM_GIT)"
 
 ## Stock pretrain_gpt.py (core_v0.16.1, leg 1) on the bare test device in TP2, from examples/day_one_adapter.py with

@@ -23,17 +23,14 @@ iteration; the plants come in through ``--adaptor plants.megatron_adaptor`` (TES
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_stock_tags import LOCAL, ProbeTag  # noqa: E402
-from stock_matrix import TAGS, TagRun, _minor, _release, checked_legs, export, first_error  # noqa: E402
+from probe_stock_tags import LOCAL, ProbeTag, tags_main  # noqa: E402
+from stock_matrix import TagRun, _minor, _release, export, first_error  # noqa: E402
 
 ITERS = ("--train-iters", "5", "--eval-interval", "5")
 PERF = ("--perf-iterations", "2:4")
@@ -104,23 +101,7 @@ def run_tag(git: Path, tag: str, legs: dict, keep: Path | None, log=print) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--git", default=os.environ.get("MEGATRON_LM_GIT"), help="Megatron-LM git directory")
-    ap.add_argument("--tags", nargs="+", default=list(TAGS))
-    ap.add_argument("--venv", default=str(Path(__file__).resolve().parents[1] / ".venv"), help="core 0.15, 0.16")
-    ap.add_argument("--venv312", default=str(Path(__file__).resolve().parents[1] / ".venv312"), help="core 0.17 on")
-    ap.add_argument("--keep", type=Path, help="keep trees, logs and recordings under this folder")
-    args = ap.parse_args(argv)
-    legs = checked_legs(ap, args)
-    bad = 0
-    for tag in args.tags:
-        start = time.monotonic()
-        row = run_tag(Path(args.git), tag, legs, args.keep)
-        print(f"{tag} (megatron-core {row.pop('release')}, {time.monotonic() - start:.0f} s)", flush=True)
-        for check in CHECKS:
-            print(f"  {check:12} {row[check]}", flush=True)
-            bad += not row[check].startswith("ok: ")
-    return 1 if bad else 0
+    return tags_main(__doc__.split("\n")[0], run_tag, CHECKS, argv)
 
 
 if __name__ == "__main__":

@@ -142,13 +142,15 @@ def run_tag(git: Path, tag: str, legs: dict[str, Leg], keep: Path | None, log=pr
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def tags_main(description: str, run_tag, checks: tuple[str, ...], argv: list[str] | None = None) -> int:
+    """Parse the tags' command line, run ``run_tag`` on each tag and print its checks; 1 if any is not 'ok: '.
+    Shared with benchmarks/perf_stock_tags.py."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--git", default=os.environ.get("MEGATRON_LM_GIT"), help="Megatron-LM git directory")
     ap.add_argument("--tags", nargs="+", default=list(TAGS))
     ap.add_argument("--venv", default=str(REPO / ".venv"), help="leg 1 (core 0.15, 0.16)")
     ap.add_argument("--venv312", default=str(REPO / ".venv312"), help="core 0.17 on")
-    ap.add_argument("--keep", type=Path, help="keep trees, logs and dumps under this folder")
+    ap.add_argument("--keep", type=Path, help="keep trees, logs and recordings under this folder")
     args = ap.parse_args(argv)
     legs = checked_legs(ap, args)
     bad = 0
@@ -156,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         row = run_tag(Path(args.git), tag, legs, args.keep)
         print(f"{tag} (megatron-core {row.pop('release')}, {time.monotonic() - start:.0f} s)", flush=True)
-        for check in CHECKS:
-            print(f"  {check:10} {row[check]}", flush=True)
+        for check in checks:
+            print(f"  {check:12} {row[check]}", flush=True)
             bad += not row[check].startswith("ok: ")
     return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return tags_main(__doc__.split("\n")[0], run_tag, CHECKS, argv)
 
 
 if __name__ == "__main__":
