@@ -10,6 +10,7 @@ without the plant names no slow link. The finding reads the groups' best calls, 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,14 @@ def test_a_group_slower_than_another_moving_the_same_bytes_is_named(tmp_path: Pa
     assert code == 1 and out.startswith("no slow rank: "), out[:3000]
     assert len(said) == 1 and said[0].startswith("slow link: group [1, 2] moves all_reduce of 64.0 KiB at "), out[:3000]
     assert "below group [0, 1] (" in said[0], said
+    # each call also on the recording's clock (device events where the device has them; here the host's): the
+    # planted group's at least its 60 ms, and a part's collective time is its calls' on that clock
+    for line in (json.loads(t) for t in (tmp_path / "slow" / "rank1.jsonl").read_text().splitlines()):
+        calls = line["collectives"]
+        assert calls and all(c["device_ms"] >= 60 for c in calls if c["group"] == [1, 2]), calls
+        for part in line["parts"]:
+            mine = [c["device_ms"] for c in calls if (c["module"], c["phase"]) == (part["path"], part["phase"])]
+            assert part["collective_ms"] == pytest.approx(sum(mine), abs=1e-3), (part, mine)
 
 
 def test_the_same_groups_without_the_plant_name_no_slow_link(tmp_path: Path) -> None:

@@ -13,7 +13,12 @@ Per call (``calls``): ``op``, ``group`` (its global ranks), ``seq`` (this rank's
 on that group: the key that matches a call across ranks), ``bytes`` (the largest buffer, as
 nccl-tests counts), ``dtype``, ``reduce_op``, ``enter`` / ``leave`` (seconds, wall clock; an
 ``async_op=True`` call leaves at ``wait()``), ``module`` and ``phase`` (the span it ran in),
-``rewrites`` ({rewrite: count}, empty when the backend ran it as asked).
+``rewrites`` ({rewrite: count}, empty when the backend ran it as asked), and ``device_ms``: the call on
+the recording's clock, one stamp before it and one after it returned (or after its ``wait()``), resolved
+with the iteration's other stamps. On a device with timing events those are events on the current
+stream, and the one after the call comes after the stream was made to wait for the collective: the time
+the device spent in it, not when the host saw it end, and the same clock as the modules' times it is
+taken from.
 """
 
 from __future__ import annotations
@@ -68,8 +73,8 @@ def _nbytes(value: Any) -> int:
 class CollectiveTimer:
     """One iteration's collectives (the target ``SLOT`` takes); ``charge()`` is the span a call runs in."""
 
-    def __init__(self, charge: Callable[[], Any]) -> None:
-        self.charge = charge
+    def __init__(self, charge: Callable[[], Any], stamp: Callable[[], Any] | None = None) -> None:
+        self.charge, self.stamp = charge, stamp
         self.calls: list[dict[str, Any]] = []
         self._seq: dict[tuple, int] = {}
         self._ranks: dict[int, list[int]] = {}
@@ -110,6 +115,8 @@ class CollectiveTimer:
             span.collectives.append(len(self.calls))
         self.calls.append(call)
         before = comm.stats()
+        if self.stamp is not None:  # the recording's clock (device events where the device has them)
+            call["_stamps"] = [self.stamp()]
         call["enter"] = time.time()
         if _coalescing():  # issued when the batch closes, which this call cannot see
             call["coalesced"] = True
@@ -117,6 +124,9 @@ class CollectiveTimer:
 
         def finish() -> None:
             call["leave"] = time.time()
+            stamps = call.get("_stamps")  # gone when the iteration's line was written before this wait()
+            if stamps is not None:  # after the call (or its wait()): the device has the collective done
+                stamps.append(self.stamp())
             after = comm.stats()
             call["rewrites"] = {how: n - before.get(c, {}).get("by", {}).get(how, 0)
                                 for c, entry in after.items() for how, n in entry.get("by", {}).items()

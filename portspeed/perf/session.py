@@ -117,7 +117,7 @@ class PerfSession:
         if self._memory is None:
             self._memory = _memory_counter()
         self.spans = SpanHooks(chunks, table, clock, self._memory or None).install()
-        self.timer = collectives.CollectiveTimer(self.spans.current)
+        self.timer = collectives.CollectiveTimer(self.spans.current, clock.stamp)
         collectives.SLOT.target = self.timer
         self._stop_kernels = te_kernels.watch(self.spans.current)
         self.watch: HostWatch | None = None

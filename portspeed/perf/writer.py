@@ -16,7 +16,7 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
                 "kernels": {"rms_norm reference": 2}, "peak_bytes": 1048576}, ...],
      "collectives": [{"op": "all_reduce", "group": [0, 1], "seq": 0, "bytes": 4096, "dtype": "float32",
                       "reduce_op": "SUM", "module": "...", "phase": "forward", "enter": ..., "leave": ...,
-                      "rewrites": {}}, ...]}
+                      "device_ms": 0.41, "rewrites": {}}, ...]}
 
 The session adds the link's key: ``"adapter"``, ``"backend"`` (the default group's real backend) and
 ``"host"``, which ``portspeed compare --perf`` looks up in the link bandwidth table (``parity.perf_links``).
@@ -79,7 +79,13 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
 
     where = [(slot(s.start), slot(s.end if s.end is not None else fb_done)) for s in spans]
     op_where = [[(name, slot(a), slot(b)) for name, a, b in s.ops] for s in spans]
+    timed = [(call, slot(call["_stamps"][0]), slot(call["_stamps"][1])) for call in calls
+             if len(call.get("_stamps", ())) == 2]
     ms = clock.resolve(stamps)
+    for call in calls:
+        call.pop("_stamps", None)
+    for call, a, b in timed:
+        call["device_ms"] = round(max(0.0, ms[b] - ms[a]), 4)
     dur = [max(0.0, ms[b] - ms[a]) for a, b in where]
     own = {id(s): i for i, s in enumerate(spans)}
     parts: dict[tuple[str, str], dict[str, Any]] = {}
@@ -105,7 +111,9 @@ def iteration_record(*, iteration: int, rank: int, world: int, framework: str, c
         for c in s.collectives:
             call = calls[c]
             row["collectives"] += 1
-            if "leave" in call:
+            if "device_ms" in call:  # the clock the span's own time is on
+                row["collective_ms"] += call["device_ms"]
+            elif "leave" in call:
                 row["collective_ms"] += (call["leave"] - call["enter"]) * 1e3
         if op_where[i]:
             ops = row.setdefault("ops", {})
