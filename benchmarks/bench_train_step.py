@@ -57,7 +57,7 @@ from typing import Iterator  # noqa: E402
 import torch  # noqa: E402
 import wrapt  # noqa: E402
 
-from portspeed.accelerator import translation  # noqa: E402
+from portspeed.translation import importer as translation  # noqa: E402
 
 _METHODS = [(torch.Tensor, "to"), (torch.Tensor, "cuda"), (torch.Tensor, "type"),
             (torch.nn.Module, "to"), (torch.nn.Module, "cuda")]

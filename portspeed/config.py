@@ -96,7 +96,7 @@ Settings.__module__ = __name__  # make_dataclass's own argument for it is Python
 
 def read(field: str, env: Mapping[str, str] | None = None) -> Any:
     """One setting read afresh (not the cached reading) from ``env`` (default os.environ): for the few readers
-    that must follow the environment as it changes (``portspeed.accelerator.scope``)."""
+    that must follow the environment as it changes (``portspeed.translation.scope``)."""
     s = BY_FIELD[field]
     env = os.environ if env is None else env
     return _parse(s, env) if _given(s, env) else s.default
