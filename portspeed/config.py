@@ -27,7 +27,7 @@ __all__ = ["Settings", "settings", "reload", "use", "read", "parse_accelerator",
            "HANG_TRACE_ENTRIES", "PROBE_ENV", "PERF_ENV", "PROBE_LEVELS", "parse_probe_iterations", "writable_folder",
            "Setting", "TABLE", "BY_ENV", "BY_FIELD"]
 
-#: the flight recorder's settings (``portspeed.comm.trace``); ``portspeed.comm.trace_files`` names them, with the
+#: the flight recorder's settings (``portspeed.trace.flight_recorder``); ``portspeed.trace.files`` names them, with the
 #: recorder's files, for the recorder and `portspeed run`'s watchdog
 TRACE_ENV = BY_FIELD["trace"].env
 TRACE_DIR_ENV = BY_FIELD["trace_dir"].env

@@ -24,12 +24,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "patching": ("portspeed.patching",),
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
     "translation": ("portspeed.translation",),
+    "trace": ("portspeed.trace",),
     "comm": ("portspeed.comm",),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
                 "portspeed.probe", "portspeed.perf"),
-    "parity": ("portspeed.parity",),
+    "parity": ("portspeed.parity", "portspeed.trace.dumps"),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
-    "top": ("portspeed.cli", "portspeed.conformance"),
+    "top": ("portspeed.cli", "portspeed.conformance", "portspeed.trace.cli"),
 }
 
 #: the package ``portspeed`` itself (``portspeed/__init__.py``: the public surface, ``portspeed.manager()``,
@@ -43,12 +44,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "patching": {"foundation"},
     "accelerator": {"foundation"},
     "translation": {"foundation", "accelerator"},
-    "comm": {"foundation", "accelerator"},
+    "trace": {"foundation"},
+    "comm": {"foundation", "accelerator", "trace"},
     ROOT_LAYER: {"foundation", "patching", "accelerator"},
-    "plugins": {"foundation", "patching", "accelerator", "translation", "comm", ROOT_LAYER},
+    "plugins": {"foundation", "patching", "accelerator", "translation", "trace", "comm", ROOT_LAYER},
     "parity": {"foundation"},
-    "integrations": {"foundation", "patching", "accelerator", "translation", "comm", ROOT_LAYER, "plugins", "parity"},
-    "top": {"foundation", "patching", "accelerator", "translation", "comm", ROOT_LAYER, "plugins", "parity",
+    "integrations": {"foundation", "patching", "accelerator", "translation", "trace", "comm", ROOT_LAYER, "plugins",
+                     "parity"},
+    "top": {"foundation", "patching", "accelerator", "translation", "trace", "comm", ROOT_LAYER, "plugins", "parity",
             "integrations"},
 }
 
@@ -215,8 +218,8 @@ def test_the_package_root_imports_nothing_above_the_engine() -> None:
 
 
 #: sub-packages whose modules import one another without a loop, deferred imports included (the recorder's
-#: modules in comm/ once did: trace <-> trace_triggers / trace_torch)
-ACYCLIC_MODULES = ("portspeed.comm", "portspeed.translation")
+#: modules once did, in comm/: trace <-> trace_triggers / trace_torch)
+ACYCLIC_MODULES = ("portspeed.comm", "portspeed.translation", "portspeed.trace")
 
 
 def test_modules_of_a_subpackage_import_without_cycles() -> None:

@@ -19,7 +19,7 @@ the closing lines are `portspeed why-hung`'s answer and the dump folder. It sets
 does) and turns recording on (``PORTSPEED_TRACE``, 2000 entries unless set); the adaptor is then
 set up at launch, so a script that never imports the framework is recorded too, and a rank that
 records nothing is named with the reason and ends the job as a hang would
-(``portspeed.cli.hang_watch``). Whenever recording is on, the dumps go
+(``portspeed.trace.cli.hang_watch``). Whenever recording is on, the dumps go
 to ``PORTSPEED_TRACE_DIR`` or a new folder under the temporary directory, named in one line,
 and a run whose dumps show a cause ends with that answer (docs/reliability.md, "When it hangs").
 
@@ -54,7 +54,8 @@ import os
 import sys
 
 from portspeed import config
-from portspeed.cli import failures, hang_watch, perf_options, probe_options
+from portspeed.cli import failures, perf_options, probe_options
+from portspeed.trace.cli import hang_watch
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 
