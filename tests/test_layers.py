@@ -28,9 +28,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "comm": ("portspeed.comm",),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
                 "portspeed.probe", "portspeed.perf"),
-    "parity": ("portspeed.parity", "portspeed.trace.dumps"),
+    "parity": ("portspeed.parity", "portspeed.trace.dumps", "portspeed.probe.reading"),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
-    "top": ("portspeed.cli", "portspeed.conformance", "portspeed.trace.cli"),
+    "top": ("portspeed.cli", "portspeed.conformance", "portspeed.trace.cli", "portspeed.probe.cli"),
 }
 
 #: the package ``portspeed`` itself (``portspeed/__init__.py``: the public surface, ``portspeed.manager()``,

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "why-hung": ("portspeed.trace.cli.why_hung:main",
                  "read the ranks' flight-recorder dumps and name why the job hung"),
     "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
-    "precheck": ("portspeed.cli.precheck:main", "replay an op-level probe dump in float64: ops off their band"),
+    "precheck": ("portspeed.probe.cli.precheck:main", "replay an op-level probe dump in float64: ops off their band"),
     "conformance": ("portspeed.conformance.__main__:main",
                     "prove a device adapter on its hardware: device, collectives, training vs CPU losses"),
 }
