@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches",
            ROOT / "adapters": "portspeed.adapters"}
 
-#: layer -> module prefixes (longest prefix wins)
+#: layer -> module prefixes (longest prefix wins: a feature's folder holds modules of several floors, e.g.
+#: ``portspeed.probe`` (plugins), ``portspeed.probe.reading`` (parity), ``portspeed.probe.cli`` (top))
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("portspeed.errors", "portspeed.config", "portspeed.settings", "portspeed.versions",
                    "portspeed.lazy", "portspeed.teardown"),
@@ -115,7 +116,8 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_run_one_way() -> None:
-    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity: foundation."""
+    """foundation <- engine (patching; accelerator <- translation; trace <- comm) <- plugins <- integrations <- top;
+    parity (and each feature's reading): foundation."""
     modules = _modules()
     known = set(modules)
     violations = []
