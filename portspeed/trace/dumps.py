@@ -35,8 +35,9 @@ def op_name(e: dict) -> str:
 
 
 #: frames that are not the call site: torch's own distributed code (its *_object collectives, its logger
-#: wrapper: torch's recorder keeps them, innermost first) and portspeed's wrappers
-_PLUMBING = re.compile(r"[/\\](torch[/\\]distributed|portspeed[/\\]comm|wrapt|torch[/\\]_library)[/\\]"
+#: wrapper: torch's recorder keeps them, innermost first) and portspeed's wrappers (the router's in comm/, the
+#: recorder's in trace/)
+_PLUMBING = re.compile(r"[/\\](torch[/\\]distributed|portspeed[/\\](comm|trace)|wrapt|torch[/\\]_library)[/\\]"
                        r"|[/\\]patches[/\\]torch_distributed\.py$|[/\\]torch[/\\]_ops\.py$")
 
 
