@@ -48,10 +48,10 @@ def _worker(args: argparse.Namespace) -> None:
     routed = dist.all_reduce
     assert routed is not raw, "the router patch did not install"
     recorded = None
-    if args.trace:  # the same routed function with portspeed.comm.trace's recording frame in front (A/B arm)
+    if args.trace:  # the same routed function with portspeed.trace.flight_recorder's recording frame in front (A/B arm)
         os.environ["PORTSPEED_TRACE"] = str(args.trace)
         from portspeed import config
-        from portspeed.comm import trace_wrappers
+        from portspeed.trace import wrappers as trace_wrappers
 
         config.reload()
         recorded = trace_wrappers.traced("all_reduce", router.COLLECTIVE_ROUTES["all_reduce"])(raw)
@@ -164,7 +164,8 @@ def _overheads(t: Any, recording: bool) -> dict[str, Any]:
     decision_us = (time.perf_counter() - start) / 20000 * 1e6
     recording_us: dict[str, float] = {}
     if recording:
-        from portspeed.comm import trace, trace_wrappers
+        from portspeed.trace import wrappers as trace_wrappers
+        from portspeed.trace import flight_recorder as trace
 
         rec_noop = trace_wrappers.traced("all_reduce")(noop)
         for label in ("write_through", "memory_only"):
@@ -184,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--diagnose", action="store_true",
                    help="add arms that put a do-nothing layer before the raw call (plain function, wrapt, 3 us spin)")
     p.add_argument("--trace", type=int, default=0, metavar="N",
-                   help="add an arm: the routed all_reduce recorded by portspeed.comm.trace (ring of N entries)")
+                   help="add an arm: the routed all_reduce recorded by the flight recorder "
+                        "(portspeed.trace.flight_recorder; ring of N entries)")
     p.add_argument("--pin", action="store_true", help="pin each rank (and its Gloo threads) to one core of its own")
     p.add_argument("--warmup", type=int, default=200, help="warm-up calls per arm (default 200)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")

@@ -80,7 +80,7 @@ spent["import total after torch"] = (T() - t0) * 1e3
 # modules it loads, then its steps, timed through wrappers put on them here.
 t2 = T()
 import importlib
-for name in ("wrapt", "packaging.specifiers", "portspeed.accelerator", "portspeed.accelerator.translation",
+for name in ("wrapt", "packaging.specifiers", "portspeed.accelerator", "portspeed.translation.importer",
              "portspeed.patches.torch_cuda", "portspeed.patches.torch_distributed",
              "portspeed.patches.megatron", "portspeed.patches.deepspeed"):
     try:
@@ -92,7 +92,7 @@ mm = sys.modules["portspeed.patching.manager"]
 timed(mm.PatchManager, "apply", "  PatchManager.apply")
 timed(mm.PatchManager, "_sweep", "    of which rebinding sweep")
 timed(mm.PatchManager, "_gate", "    of which gating (versions, conditions)")
-timed(sys.modules["portspeed.accelerator.translation"], "enable", "  translation.enable (adapter selection inside)")
+timed(sys.modules["portspeed.translation.importer"], "enable", "  translation.enable (adapter selection inside)")
 acc = sys.modules["portspeed.accelerator"]
 timed(acc, "_entry_point_adapters", "    of which entry-point scans")
 from portspeed.integrations import activation

@@ -1,6 +1,6 @@
 """A/B: a small functional all_reduce (``funcol.all_reduce(...)`` then its wait) with and without recording.
 
-Why: ``portspeed.comm.trace_funcol`` puts one frame in front of each functional collective and
+Why: ``portspeed.trace.funcol`` puts one frame in front of each functional collective and
 of funcol's ``wait_tensor`` when ``PORTSPEED_TRACE`` is on; this is what that costs per call.
 
 Arms, in one Gloo group, interleaved call by call with a rotating order: ``raw`` (torch's
@@ -33,7 +33,8 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed._functional_collectives as funcol
 
     from portspeed import config
-    from portspeed.comm import trace, trace_funcol
+    from portspeed.trace import funcol as trace_funcol
+    from portspeed.trace import flight_recorder as trace
 
     config.reload()
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -5,7 +5,7 @@ not record itself (testccl, a vendor's C++ CCL) through the FlightRecorderHook i
 new group (buffer 2000). So a run without PORTSPEED_TRACE now pays torch's recording on a custom
 backend, and a run with it pays portspeed's recording frame, which on these groups keeps only its
 write-through line, sequence number and in-flight mark (the entry is torch's: no call is recorded
-twice, ``portspeed.comm.trace_torch``).
+twice, ``portspeed.trace.torch_recorder``).
 
 ``--backend testdev`` (the test device's testccl, 2 ranks): two groups of the same ranks, interleaved
 call by call with a rotating order: the default group with torch's hook attached, and a second one
@@ -41,7 +41,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     import portspeed
     from portspeed import config
-    from portspeed.comm import router, trace, trace_torch, trace_wrappers
+    from portspeed.comm import router
+    from portspeed.trace import wrappers as trace_wrappers
+    from portspeed.trace import torch_recorder as trace_torch
+    from portspeed.trace import flight_recorder as trace
     from portspeed.patches.torch_distributed import PATCHES
 
     if not trace_torch.records_itself():

@@ -57,7 +57,7 @@ from typing import Iterator  # noqa: E402
 import torch  # noqa: E402
 import wrapt  # noqa: E402
 
-from portspeed.accelerator import translation  # noqa: E402
+from portspeed.translation import importer as translation  # noqa: E402
 
 _METHODS = [(torch.Tensor, "to"), (torch.Tensor, "cuda"), (torch.Tensor, "type"),
             (torch.nn.Module, "to"), (torch.nn.Module, "cuda")]
@@ -111,14 +111,14 @@ def bypassed() -> Iterator[None]:
 
 def _recorded_bindings() -> list[tuple[dict, str, object, object]]:
     """(namespace, name, recorded, unrecorded) for every binding of a recorded torch.distributed function."""
-    from portspeed.comm import trace
+    from portspeed.trace import flight_recorder as trace
 
     c10d = sys.modules["torch.distributed.distributed_c10d"]
     swap = {}
     for name in (*trace.OPS, "batch_isend_irecv"):
         f = getattr(c10d, name, None)
         code = getattr(f, "__code__", None)
-        if code is None or not getattr(f, "__module__", "").startswith("portspeed.comm.trace"):
+        if code is None or not getattr(f, "__module__", "").startswith("portspeed.trace.flight_recorder"):
             continue
         free = code.co_freevars
         inner = "inner" if "inner" in free else "original"
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 ns[k] = f
             swap = [(*timed[:3], plain[3]) for timed, plain in zip(on, off)]  # (namespace, key, recorded, unrecorded)
             other = lambda: unrecorded(swap)  # noqa: E731
-        from portspeed.comm import trace
+        from portspeed.trace import flight_recorder as trace
         rec = trace.recorder()
         first_id = rec.record_id
     else:

@@ -101,7 +101,8 @@ def cost(blocks: int = 40, per_block: int = 200) -> dict[str, Any]:
     os.environ["PORTSPEED_TRACE"] = "2000"
     os.environ.setdefault("PORTSPEED_TRACE_DIR", "/tmp/check_trace_nccl_cost")
     from portspeed import config
-    from portspeed.comm import trace_funcol, trace_wrappers
+    from portspeed.trace import wrappers as trace_wrappers
+    from portspeed.trace import funcol as trace_funcol
 
     config.reload()
     cuda = torch.cuda.is_available()

@@ -9,7 +9,7 @@ rarely called ones are wrapped).
 Each wrapper translates only when (a) the adapter does not run CUDA natively (the ``when``
 condition ``conditions.translated``: on CUDA and ROCm these patches are inactive), (b) the
 call names CUDA and (c) the caller is a framework module (see
-``portspeed.accelerator.translation.is_framework_module``). The caller's frame is looked at only after (a) and (b) hold,
+``portspeed.translation.importer.is_framework_module``). The caller's frame is looked at only after (a) and (b) hold,
 so the common path costs a type check per argument. Everything else gets torch's own behaviour, errors included.
 """
 
@@ -22,9 +22,9 @@ import torch
 
 from portspeed.accelerator import get_accelerator
 from portspeed.accelerator.conditions import translated
-from portspeed.accelerator.torch_namespace import names_cuda, translate_device
-from portspeed.accelerator.scope import FRAMEWORK_ENV, is_framework_module
-from portspeed.accelerator.translation import caller_is_framework
+from portspeed.translation.torch_namespace import names_cuda, translate_device
+from portspeed.translation.scope import FRAMEWORK_ENV, is_framework_module
+from portspeed.translation.importer import caller_is_framework
 from portspeed.patching.record import REPLACE, WRAP, Patch
 
 __all__ = ["PATCHES", "cuda_type_string", "local_type_string", "tensor_to", "tensor_type"]

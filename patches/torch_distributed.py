@@ -12,7 +12,10 @@ with ``from .distributed_c10d import *``) is rebound by the manager to the same 
 from __future__ import annotations
 
 from portspeed.patching.record import WRAP, Patch
-from portspeed.comm import groups, nan_check, router, trace, trace_funcol, trace_wrappers, work
+from portspeed.comm import groups, nan_check, router, work
+from portspeed.trace import wrappers as trace_wrappers
+from portspeed.trace import funcol as trace_funcol
+from portspeed.trace import flight_recorder as trace
 
 __all__ = ["PATCHES"]
 
@@ -36,7 +39,7 @@ _COLLECTIVE_REASONS = {
 }
 
 _NEW_NAMES = ("reduce_scatter_single", "all_gather_single")  # torch 2.13's names
-_TRACING = trace.enabled()  # PORTSPEED_TRACE > 0: record every call below (portspeed.comm.trace)
+_TRACING = trace.enabled()  # PORTSPEED_TRACE > 0: record every call below (portspeed.trace.flight_recorder)
 _NAN_CHECK = nan_check.enabled()  # PORTSPEED_NAN_CHECK: a NaN into or out of a collective raised there
 #: recorded only (no routing): the collectives and point-to-point calls the router leaves alone
 _RECORDED = ("broadcast", "barrier", "all_gather", "gather", "scatter", "all_to_all_single", "send", "recv",

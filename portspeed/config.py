@@ -28,7 +28,7 @@ __all__ = ["Settings", "settings", "reload", "use", "read", "parse_accelerator",
            "HANG_TRACE_ENTRIES", "PROBE_ENV", "PERF_ENV", "PROBE_LEVELS", "parse_probe_iterations", "writable_folder",
            "Setting", "TABLE", "BY_ENV", "BY_FIELD"]
 
-#: the flight recorder's settings (``portspeed.comm.trace``); ``portspeed.comm.trace_files`` names them, with the
+#: the flight recorder's settings (``portspeed.trace.flight_recorder``); ``portspeed.trace.files`` names them, with the
 #: recorder's files, for the recorder and `portspeed run`'s watchdog
 TRACE_ENV = BY_FIELD["trace"].env
 TRACE_DIR_ENV = BY_FIELD["trace_dir"].env
@@ -97,7 +97,7 @@ Settings.__module__ = __name__  # make_dataclass's own argument for it is Python
 
 def read(field: str, env: Mapping[str, str] | None = None) -> Any:
     """One setting read afresh (not the cached reading) from ``env`` (default os.environ): for the few readers
-    that must follow the environment as it changes (``portspeed.accelerator.scope``)."""
+    that must follow the environment as it changes (``portspeed.translation.scope``)."""
     s = BY_FIELD[field]
     env = os.environ if env is None else env
     return _parse(s, env) if _given(s, env) else s.default

@@ -19,7 +19,7 @@ from helpers.requires import require
 FRAMEWORK_INIT = '''
 import sys, torch
 import portspeed
-from portspeed.accelerator import translation
+from portspeed.translation import importer as translation
 SEEN_AT_IMPORT = {
     "translation_enabled": translation.enabled(),
     "torch_is_view": torch is translation.torch_view(),
@@ -53,7 +53,7 @@ def test_adaptor_import_sets_nothing_up(tmp_path: Path) -> None:
             "waiting": activation.waiting(),
             "first_finder": repr(sys.meta_path[0]),
             "records": len(portspeed.manager().records()),
-            "translation": "portspeed.accelerator.translation" in sys.modules,
+            "translation": "portspeed.translation.importer" in sys.modules,
             "heavy": sorted(m for m in ("wrapt", "packaging.specifiers", "portspeed.comm.router",
                                           "portspeed.comm.groups", "portspeed.comm.rewrites",
                                           "portspeed.accelerator.contract", "portspeed.accelerator.selection")
@@ -76,7 +76,7 @@ def test_first_framework_import_sets_up_before_its_body_runs(tmp_path: Path) -> 
         import fw_pkg.sub
         print(json.dumps({
             "seen": fw_pkg.SEEN_AT_IMPORT,
-            "sub_torch_is_view": fw_pkg.sub.torch is sys.modules["portspeed.accelerator.translation"].torch_view(),
+            "sub_torch_is_view": fw_pkg.sub.torch is sys.modules["portspeed.translation.importer"].torch_view(),
             "waiting": activation.waiting(),
             "triggers_left": [repr(f) for f in sys.meta_path if "activation trigger" in repr(f)],
             "all_reduce_routed": hasattr(dist.all_reduce, "__wrapped__"),
@@ -97,7 +97,7 @@ def test_adaptor_after_framework_sets_up_at_once(tmp_path: Path) -> None:
         import fw_pkg
         import portspeed.megatron_adaptor
         from portspeed.integrations import activation
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         print(json.dumps({"waiting": activation.waiting(), "enabled": translation.enabled(),
                           "torch_is_view": fw_pkg.torch is translation.torch_view(),
                           "seen_view_at_import": fw_pkg.SEEN_AT_IMPORT["torch_is_view"]}))
@@ -181,7 +181,7 @@ def test_set_up_error_surfaces_at_the_framework_import(tmp_path: Path) -> None:
         accelerator.reset_accelerator()
         ad.activate()
         import fw_pkg
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         print(json.dumps({"first": first, "waiting_after": waiting_after,
                           "then": fw_pkg.torch is translation.torch_view()}))
     ''', timeout=TIMEOUT, env=_framework(tmp_path, PORTSPEED_ACCELERATOR="npu"))
@@ -212,7 +212,7 @@ def test_megatron_import_sets_up_the_megatron_adaptor(tmp_path: Path) -> None:
         from portspeed.integrations import activation
         waiting = activation.waiting()
         import megatron.core.parallel_state as ps
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         status = {r["name"]: r["status"] for r in portspeed.report()}
         print(json.dumps({"before": waiting, "after": activation.waiting(),
                           "view": ps.torch is translation.torch_view(),

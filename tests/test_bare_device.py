@@ -271,8 +271,8 @@ def test_without_the_lines_the_tp2_job_ends_at_start_naming_the_stub_ccls_wrong_
 def test_every_view_call_that_reaches_the_adapter_is_made_by_conformance() -> None:
     """conformance/view_calls.CALLS covers each name of the torch.cuda view that reaches the adapter (its Delegate
     and hand-written entries, the nvtx and amp namespaces); constants, refusals and torch's types are not asked."""
-    from portspeed.accelerator.cuda_rules import Delegate, Namespace, Use
-    from portspeed.accelerator.cuda_view import CUDA_API
+    from portspeed.translation.cuda_rules import Delegate, Namespace, Use
+    from portspeed.translation.cuda_view import CUDA_API
     from portspeed.conformance.view_calls import CALLS
 
     served = {n for n, r in CUDA_API.items() if isinstance(r, (Delegate, Use))}

@@ -157,7 +157,8 @@ def test_usage_table_is_the_generated_one() -> None:
     ("--probe-ranks", "+5, 3", "3,5"), ("--probe-iterations", "+2:+4", "2:4"), ("--probe-level", " OP ", "op")])
 def test_probe_switch_and_variable_have_one_reading(switch: str, value: str, expected: str, tmp_path: Path) -> None:
     """`portspeed run`'s switch and the workers' variable go through one parser: what one accepts the other does."""
-    from portspeed.cli import probe_options, run
+    from portspeed.cli import run
+    from portspeed.probe.cli import options as probe_options
 
     args = run.build_parser().parse_args(["--probe", str(tmp_path / "dump"), switch, value, "train.py"])
     env = probe_options.environment(args, world=8)

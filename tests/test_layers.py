@@ -17,18 +17,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches",
            ROOT / "adapters": "portspeed.adapters"}
 
-#: layer -> module prefixes (longest prefix wins)
+#: layer -> module prefixes (longest prefix wins: a feature's folder holds modules of several floors, e.g.
+#: ``portspeed.probe`` (plugins), ``portspeed.probe.reading`` (parity), ``portspeed.probe.cli`` (top))
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("portspeed.errors", "portspeed.config", "portspeed.settings", "portspeed.versions",
                    "portspeed.lazy", "portspeed.teardown"),
     "patching": ("portspeed.patching",),
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
+    "translation": ("portspeed.translation",),
+    "trace": ("portspeed.trace",),
     "comm": ("portspeed.comm",),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
                 "portspeed.probe", "portspeed.perf"),
-    "parity": ("portspeed.parity",),
+    "parity": ("portspeed.parity", "portspeed.trace.dumps", "portspeed.probe.reading"),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
-    "top": ("portspeed.cli", "portspeed.conformance"),
+    "top": ("portspeed.cli", "portspeed.conformance", "portspeed.trace.cli", "portspeed.probe.cli"),
 }
 
 #: the package ``portspeed`` itself (``portspeed/__init__.py``: the public surface, ``portspeed.manager()``,
@@ -41,12 +44,16 @@ MAY_IMPORT: dict[str, set[str]] = {
     "foundation": set(),
     "patching": {"foundation"},
     "accelerator": {"foundation"},
-    "comm": {"foundation", "accelerator"},
+    "translation": {"foundation", "accelerator"},
+    "trace": {"foundation"},
+    "comm": {"foundation", "accelerator", "trace"},
     ROOT_LAYER: {"foundation", "patching", "accelerator"},
-    "plugins": {"foundation", "patching", "accelerator", "comm", ROOT_LAYER},
+    "plugins": {"foundation", "patching", "accelerator", "translation", "trace", "comm", ROOT_LAYER},
     "parity": {"foundation"},
-    "integrations": {"foundation", "patching", "accelerator", "comm", ROOT_LAYER, "plugins", "parity"},
-    "top": {"foundation", "patching", "accelerator", "comm", ROOT_LAYER, "plugins", "parity", "integrations"},
+    "integrations": {"foundation", "patching", "accelerator", "translation", "trace", "comm", ROOT_LAYER, "plugins",
+                     "parity"},
+    "top": {"foundation", "patching", "accelerator", "translation", "trace", "comm", ROOT_LAYER, "plugins", "parity",
+            "integrations"},
 }
 
 #: single edges allowed across the rule above, each with its reason: (importing module, imported module)
@@ -109,7 +116,8 @@ def test_every_module_has_a_layer() -> None:
 
 
 def test_imports_run_one_way() -> None:
-    """foundation <- engine (patching; accelerator <- comm) <- plugins <- integrations <- top; parity: foundation."""
+    """foundation <- engine (patching; accelerator <- translation; trace <- comm) <- plugins <- integrations <- top;
+    parity (and each feature's reading): foundation."""
     modules = _modules()
     known = set(modules)
     violations = []
@@ -212,8 +220,8 @@ def test_the_package_root_imports_nothing_above_the_engine() -> None:
 
 
 #: sub-packages whose modules import one another without a loop, deferred imports included (the recorder's
-#: modules in comm/ once did: trace <-> trace_triggers / trace_torch)
-ACYCLIC_MODULES = ("portspeed.comm",)
+#: modules once did, in comm/: trace <-> trace_triggers / trace_torch)
+ACYCLIC_MODULES = ("portspeed.comm", "portspeed.translation", "portspeed.trace")
 
 
 def test_modules_of_a_subpackage_import_without_cycles() -> None:

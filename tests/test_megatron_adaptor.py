@@ -68,7 +68,7 @@ def test_import_order_does_not_matter(order: str, tmp_path) -> None:
         {first}
         {second}
         import portspeed, torch
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         import megatron.core.tensor_parallel.random as r
         import megatron.core.parallel_state as ps
         from megatron.core.models.gpt import gpt_layer_specs

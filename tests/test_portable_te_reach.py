@@ -36,7 +36,7 @@ PROBE = textwrap.dedent(
     import megatron.core
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core import utils
-    from portspeed.accelerator import translation
+    from portspeed.translation import importer as translation
     PROBED = ["megatron.core.extensions.transformer_engine", "megatron.core.models.gpt.gpt_layer_specs",
               "megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel.layers",
               "megatron.core.transformer.transformer_block", "megatron.core.transformer.moe.moe_utils",

@@ -106,7 +106,7 @@ def test_bad_input_is_one_line_and_exit_2(dumps: dict[str, Path], tmp_path: Path
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """No dump, a module-level dump, nothing replayable (here, in-process), another adapter's dump replayed from
     statistics (on that device): one line on stderr, exit 2."""
-    from portspeed.cli.precheck import main
+    from portspeed.probe.cli.precheck import main
 
     module = tmp_path / "module"
     shutil.copytree(dumps["clean"], module)

@@ -20,8 +20,8 @@ import torch
 from helpers.probe_dumps import RankDump, full, meta, partial, split, stats
 from helpers.probe_runs import FC1, FC2, HIDDEN, LAYERS, fc, off_by, probe, record, truth
 
-from portspeed.parity.probe_compare import compare_dumps
-from portspeed.parity.probe_format import TensorStats, merge
+from portspeed.probe.reading.compare import compare_dumps
+from portspeed.probe.reading.dumps import TensorStats, merge
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from helpers.probe_dumps import RankDump, full, meta, partial, stats
 from helpers.probe_runs import FC2, fc, off_by, probe, record, truth
 
-from portspeed.parity.probe_format import ProbeInputError, read_dump
+from portspeed.probe.reading.dumps import ProbeInputError, read_dump
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,7 @@ def test_a_clean_run_agrees_with_its_reference(runs: dict[str, Any], run: str) -
     code, out, err = probe(dump(runs, ref), dump(runs, run))
     assert code == 0 and out.startswith("no divergence: "), f"{run} vs {ref}: exit {code}\n{out[:3000]}{err}"
     assert f"({bands}" in out.splitlines()[0], out.splitlines()[0]
-    from portspeed.parity.probe_compare import compare_dumps
+    from portspeed.probe.reading.compare import compare_dumps
 
     report = compare_dumps(runs["root"] / ref, runs["root"] / run)
     phases = {r.slot.phase for r in report.compared}
@@ -231,7 +231,7 @@ def test_msprobes_own_dump_agrees_with_portspeeds_dump_of_the_same_step(tmp_path
     and their gradients, the ops and the parameter gradients compared; one module planted: that module named."""
     code, out, err = probe(MSPROBE_DUMP, _portspeed_dump(tmp_path / "ps"))
     assert code == 0 and "(msprobe's own dump)" in out, out + err
-    from portspeed.parity.probe_compare import compare_dumps
+    from portspeed.probe.reading.compare import compare_dumps
 
     report = compare_dumps(MSPROBE_DUMP, tmp_path / "ps")
     keys = {r.slot.key for r in report.compared}

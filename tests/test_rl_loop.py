@@ -185,7 +185,7 @@ def test_import_hook_only_when_the_user_names_modules() -> None:
         real = builtins.__import__
         import portspeed.megatron_adaptor
         portspeed.megatron_adaptor.activate()
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         import torch                       # this module's own frame: served through the hook when named
         hooked = builtins.__import__ is not real
         view = torch is translation.torch_view()

@@ -59,7 +59,7 @@ import sys
 
 def pretrain(*args, **kwargs):
     """Reports what the scope holds when the real pretrain() would start."""
-    from portspeed.accelerator import scope
+    from portspeed.translation import scope
 
     main = sys.modules["__main__"]
     print(json.dumps({"extra": list(scope.extra_prefixes),

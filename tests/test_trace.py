@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from helpers.launch import REPO, free_port, run_python, run_snippet
 
-from portspeed.cli import trace_dumps, why_hung
-from portspeed.comm.trace_torch import TORCH_GLOO_DUMP_PREFIX, records_itself
+from portspeed.trace.cli import why_hung
+from portspeed.trace import dumps as trace_dumps
+from portspeed.trace.torch_recorder import TORCH_GLOO_DUMP_PREFIX, records_itself
 
 SCRIPT = REPO / "tests" / "data" / "trace_faults.py"
 HANG_S = 10
@@ -86,7 +87,7 @@ BACKENDS = {"cpu": {}, "standin": {"PORTSPEED_BACKEND": "standin"}, "testdev": {
 CASES = [pytest.param(b, m, id=f"{b}-{m}", marks=([pytest.mark.testdev] if b == "testdev" else [])
                       + ([pytest.mark.torch_hooks] if b != "standin" else []))
          for b in BACKENDS for m in FAULTS]
-#: torch >= 2.15: torch's own recorder holds Gloo's collectives and testccl's calls (portspeed.comm.trace_torch)
+#: torch >= 2.15: torch's own recorder holds Gloo's collectives and testccl's calls (portspeed.trace.torch_recorder)
 TORCH_RECORDS = records_itself()
 
 
@@ -228,12 +229,12 @@ def test_recorder_fields_ring_bound_and_sigusr1(tmp_path: Path) -> None:
                     break
                 time.sleep(0.1)
             d = pickle.load(open("{tmp_path}/portspeed_trace_rank_0", "rb"))
-            from portspeed.cli.trace_dumps import through_entry as _through_entry
+            from portspeed.trace.dumps import through_entry as _through_entry
             through = [_through_entry(x) for x in open("{tmp_path}/portspeed_last_calls_0.txt")]
             objs, box = [None], [7]  # torch's *_object collectives: recorded by their inner calls, named as such
             dist.all_gather_object(objs, {{"a": 1}})
             dist.broadcast_object_list(box, 0)
-            from portspeed.comm import trace
+            from portspeed.trace import flight_recorder as trace
             d2 = pickle.load(open(trace.dump("asked"), "rb"))
             last = [_through_entry(x) for x in open("{tmp_path}/portspeed_last_calls_0.txt")][-4:]
             print(json.dumps({{"names": names, "equal": bool(torch.equal(t, u * 1)), "reason": d["ps_reason"],
@@ -287,7 +288,8 @@ def test_torch_reader_reads_portspeed_dumps(tmp_path: Path) -> None:
     # (the stand-in's inner group) and one ring step of it under the all_reduce
     res = run_snippet(f'''
         import torch
-        from portspeed.comm import trace, trace_staging
+        from portspeed.trace import staging as trace_staging
+        from portspeed.trace import flight_recorder as trace
         for rank in (0, 1):
             import os; os.environ["RANK"] = str(rank)
             rec = trace.Recorder(10, "{folder}")

@@ -1,4 +1,4 @@
-"""torch's functional collectives in the flight recorder (portspeed.comm.trace_funcol): real Gloo groups on CPU.
+"""torch's functional collectives in the flight recorder (portspeed.trace.funcol): real Gloo groups on CPU.
 
 Two jobs under `portspeed run --hang-timeout` (tests/data/trace_funcol_faults.py, 2 ranks): rank 1 skips one
 functional all_reduce, and `why-hung`'s first line names the desync (op, group, sequence number, both call
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from helpers.launch import REPO, free_port, run_python, run_snippet
 
-from portspeed.cli import why_hung
+from portspeed.trace.cli import why_hung
 
 SCRIPT = REPO / "tests" / "data" / "trace_funcol_faults.py"
 HANG_S = 10
@@ -115,7 +115,7 @@ def test_functional_forms_unresolved_group_compile_and_off(tmp_path: Path) -> No
             m = portspeed.PatchManager(); m.register(PATCHES); m.apply()
             dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:{free_port()}")
             import torch.distributed._functional_collectives as funcol
-            from portspeed.comm import trace
+            from portspeed.trace import flight_recorder as trace
             pg, x = dist.group.WORLD, torch.arange(8.0).view(4, 2)
             got = [funcol.all_reduce(x, "sum", pg), funcol.broadcast(x, 0, "0"),
                    funcol.all_gather_tensor(x, 1, [0]), funcol.reduce_scatter_single(x, "sum", 1, pg),

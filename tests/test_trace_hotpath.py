@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from portspeed.comm import trace, trace_fields
+from portspeed.trace import fields as trace_fields
+from portspeed.trace import flight_recorder as trace
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_skipped_all_reduce_in_megatron_tp2_forward_is_named(backend: dict, ccl:
     assert (folder / "portspeed_trace_rank_1").exists() or (folder / "portspeed_last_calls_1.txt").exists()
     assert not _alive_with(port), _alive_with(port)
     # the fault ran on the backend it names: rank 0's write-through file holds every call it issued
-    from portspeed.cli.trace_dumps import through_entry as _through_entry
+    from portspeed.trace.dumps import through_entry as _through_entry
 
     with open(folder / "portspeed_last_calls_0.txt") as f:
         ops = {_through_entry(x)["profiling_name"].split(":")[0] for x in f if x.strip()}
@@ -142,7 +142,7 @@ def test_pp2_stage_receiving_another_shape_is_named(backend: dict, ccl: str, tmp
     assert (folder / "portspeed_trace_rank_0").exists()  # rank 0 dumped on its error; rank 1 left its write-through
     assert (folder / "portspeed_last_calls_1.txt").exists() and not (folder / "portspeed_trace_rank_1").exists()
     assert not _alive_with(port), _alive_with(port)
-    from portspeed.cli.trace_dumps import through_entry as _through_entry
+    from portspeed.trace.dumps import through_entry as _through_entry
 
     with open(folder / "portspeed_last_calls_0.txt") as f:
         ops = {_through_entry(x)["profiling_name"].split(":")[0] for x in f if x.strip()}

@@ -1,6 +1,6 @@
 """torch's own flight recorder next to portspeed's: turned on for NCCL before the group exists, read by why-hung.
 
-What CI can check without an NVIDIA GPU: the settings ``portspeed.comm.trace_torch`` chooses (NCCL
+What CI can check without an NVIDIA GPU: the settings ``portspeed.trace.torch_recorder`` chooses (NCCL
 only, the user's own never overridden, dumps into PORTSPEED_TRACE_DIR under the name why-hung
 reads); that ``init_process_group`` sets them before torch creates the group (a CPU torch, the CPU
 adapter told its backend is NCCL: the group cannot be made, the settings are already there); and that
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from helpers.launch import REPO, child_json, torchrun
 
-from portspeed.cli import why_hung
-from portspeed.comm.trace import TORCH_DUMP_PREFIX
-from portspeed.comm.trace_torch import TORCH_FR_ENV, torch_recorder_env
+from portspeed.trace.cli import why_hung
+from portspeed.trace.flight_recorder import TORCH_DUMP_PREFIX
+from portspeed.trace.torch_recorder import TORCH_FR_ENV, torch_recorder_env
 
 SCRIPT = REPO / "tests" / "data" / "torch_fr_desync.py"
 
@@ -56,7 +56,7 @@ def test_settings_are_in_place_before_torch_makes_the_nccl_group(tmp_path: Path)
             error = ""
         except Exception as exc:
             error = type(exc).__name__ + ": " + str(exc)[:200]
-        from portspeed.comm import trace
+        from portspeed.trace import flight_recorder as trace
         print(json.dumps({{"before": before, "after": {{k: os.environ.get(k) for k in {TORCH_FR_ENV!r}}},
                           "error": error, "torch_fr": trace.recorder().torch_fr}}))
     ''', timeout=180, env={"PORTSPEED_TRACE": "64", "PORTSPEED_TRACE_DIR": str(tmp_path)},
@@ -106,7 +106,7 @@ def test_why_hung_reads_a_real_nccl_dump(tmp_path: Path) -> None:
     assert data["comm_lib_version"] == "2.28.9"
     assert {e["profiling_name"] for e in data["entries"]} == {"nccl:all_reduce"}
     # the call site through torch's NCCL frames (innermost first: c10d, its logger, portspeed's router)
-    from portspeed.cli.trace_dumps import call_site
+    from portspeed.trace.dumps import call_site
 
     assert [call_site(e) for e in data["entries"]] == [site("loop")] * 4 + [site("last")]
 

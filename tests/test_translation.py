@@ -1,4 +1,4 @@
-"""The scoped torch / torch.cuda translation (portspeed.accelerator.translation) and the torch_cuda patches.
+"""The scoped torch / torch.cuda translation (portspeed.translation.importer) and the torch_cuda patches.
 
 The views themselves (CudaView, TorchView): test_translation_views.py.
 """
@@ -18,8 +18,8 @@ from helpers.requires import require
 from helpers.adapter_checks import cpu_adapter  # noqa: F401 - the fixture both files use
 
 import portspeed
-from portspeed.accelerator import scope as framework_modules
-from portspeed.accelerator import translation
+from portspeed.translation import scope as framework_modules
+from portspeed.translation import importer as translation
 from portspeed.accelerator import reset_accelerator, set_accelerator
 from portspeed.errors import ConfigError
 from portspeed.patches import torch_cuda
@@ -234,7 +234,7 @@ def test_torch_compile_still_works_with_the_adaptor_active(tmp_path) -> None:
         import portspeed.megatron_adaptor
         import torch
         import megatron.core.jit  # a framework module (its import sets the adaptor up): its globals see the view
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         assert translation.enabled()
         assert torch.cuda.is_available() is False and torch.cuda.device_count() == 0
         @torch.compile

@@ -14,7 +14,7 @@ import torch
 
 from helpers.adapter_checks import cpu_adapter  # noqa: F401 - the fixture both files use
 
-from portspeed.accelerator import translation
+from portspeed.translation import importer as translation
 from portspeed.adapters.cpu import NullEvent, NullStream
 from portspeed.errors import UnsupportedCudaCallError
 
@@ -181,7 +181,7 @@ def test_generator_on_the_test_device_is_a_device_generator() -> None:
         adaptor.activate()
         import portspeed
         assert portspeed.get_accelerator().device_type == "testdev"
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
         tv = translation.torch_view()
         torch.testdev.set_device(1)
         g = tv.Generator(device=tv.cuda.current_device())

@@ -53,8 +53,8 @@ import inspect, json, typing
 import torch
 import portspeed, portspeed.megatron_adaptor as adaptor
 adaptor.activate()
-from portspeed.accelerator import cuda_view as cv_mod
-from portspeed.accelerator.served_class import ServedClass
+from portspeed.translation import cuda_view as cv_mod
+from portspeed.translation.served_class import ServedClass
 from portspeed.errors import UnsupportedCudaCallError
 import tdfw
 

@@ -1,7 +1,7 @@
 """`portspeed why-hung`'s analyser on synthetic dumps: each divergence is named, with its rank, op, group,
 sequence number and call site; no divergence is exit 1; unreadable input is exit 2.
 
-The dumps are written in the format ``portspeed.comm.trace`` writes (torch's flight-recorder pickle), and one
+The dumps are written in the format ``portspeed.trace.flight_recorder`` writes (torch's flight-recorder pickle), and one
 in the bare form torch itself writes (no ``ps_*`` fields), so both readers' paths are covered.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from portspeed.cli.main import main as portspeed_main
-from portspeed.cli import why_hung
+from portspeed.trace.cli import why_hung
 
 WORLD = "[0, 1]"
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from portspeed.accelerator import get_accelerator
 from portspeed.accelerator.conditions import translated
-from portspeed.accelerator.translation import caller_is_framework
+from portspeed.translation.importer import caller_is_framework
 from portspeed.patching.record import WRAP, Patch
 
 from .ranges import CORE, DISTRIBUTION

@@ -3,7 +3,7 @@
 Why: stock ``pretrain_gpt.py`` with Megatron's defaults (``--transformer-impl transformer_engine``)
 builds its layers from ``transformer_engine.pytorch``; without TE it dies at start-up
 (``NameError: name 'TESpecProvider' is not defined``). This patch replaces
-``portspeed.accelerator.translation.served_import`` (asked only after a framework module's
+``portspeed.translation.importer.served_import`` (asked only after a framework module's
 import found no module) with ``portspeed.portable_te.serve.served_import``, which answers
 ``transformer_engine`` and its served submodules for the Megatron modules that build TE layers,
 when the command line does not ask for ``--transformer-impl local``.
@@ -38,7 +38,7 @@ def portable_te_wanted(acc: Accelerator) -> bool:
 
 
 PATCHES: list[Patch] = [
-    Patch(name="megatron.core.transformer_engine.portable", target="portspeed.accelerator.translation:served_import",
+    Patch(name="megatron.core.transformer_engine.portable", target="portspeed.translation.importer:served_import",
           kind=REPLACE, impl=served_import, distribution=DISTRIBUTION, versions=CORE, when=portable_te_wanted,
           reason="Megatron's default --transformer-impl transformer_engine needs transformer_engine.pytorch, which "
           "has no build off CUDA; its TE modules (and only they) are served portspeed's portable Transformer "

@@ -10,7 +10,7 @@ compiled with CUDA" on the CPU build).
 When ``pretrain()`` starts, and the running ``__main__`` file lies in a Megatron-LM checkout
 (its folder holds ``megatron/training``), ``__main__`` and the checkout's other top-level
 modules (``model_provider``, ``gpt_builders``...) become framework modules
-(``portspeed.accelerator.translation.add_framework_prefixes``): they see the translated torch like the
+(``portspeed.translation.importer.add_framework_prefixes``): they see the translated torch like the
 rest of Megatron. A user's own script is left alone (name it in PORTSPEED_FRAMEWORK_MODULES
 to opt in).
 
@@ -29,7 +29,7 @@ import sys
 from typing import Any
 
 from portspeed.accelerator.conditions import translated
-from portspeed.accelerator.scope import valid_prefix
+from portspeed.translation.scope import valid_prefix
 from portspeed.patching.record import WRAP, Patch
 
 from ._training_common import log_once
@@ -71,7 +71,7 @@ def scope_checkout_scripts(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     main = sys.modules.get("__main__")
     root = checkout_root(getattr(main, "__file__", None))
     if root is not None:
-        from portspeed.accelerator import translation
+        from portspeed.translation import importer as translation
 
         names = checkout_modules(root)
         if names:

@@ -1,4 +1,4 @@
-"""The device contract: what an adapter answers, how one is found and selected, and what framework code sees.
+"""The device contract: what an adapter answers, and how one is found and selected.
 
 Layer: engine, below ``portspeed.comm``. Imports the foundation (``portspeed.errors``, ``config``,
 ``versions``) only: never ``portspeed.comm`` (which asks this package for the adapter), never a
@@ -13,13 +13,9 @@ patch and never a framework.
 - ``registry``    where adapters come from: built-ins and the ``portspeed.adapters`` entry points.
 - ``selection``   which adapter is active (``get_accelerator``, ``set_accelerator``).
 - ``conditions``  the declared conditions patches use as ``when=``, written once.
-- ``scope``       which modules are framework modules (see the translated torch).
-- ``cuda_rules``  the rule kinds the torch.cuda view is written in (delegate, constant,
-                  unsupported...) and how a table of them is built, once, into functions.
-- ``cuda_view``   ``CudaView``: the torch.cuda API answered by the active adapter, as a table.
-- ``torch_namespace`` ``TorchView`` (torch with CUDA device arguments translated) and
-                  ``names_cuda`` / ``translate_device`` for the Tensor/Module patches.
-- ``translation`` the scoped import: which modules get the views, enable/disable.
+
+The torch.cuda translation (the views framework modules see, and which modules those are) is its own
+package above this one: ``portspeed.translation``.
 """
 
 from __future__ import annotations

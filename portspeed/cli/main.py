@@ -20,9 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "torchrun-compatible launcher that imports a framework set-up (--adaptor) in every worker"),
     "megatron-tests": ("portspeed.cli.megatron_tests:main",
                        "Megatron-LM's own unit tests (tests/unit_tests of a checkout), launched as its CI does"),
-    "why-hung": ("portspeed.cli.why_hung:main", "read the ranks' flight-recorder dumps and name why the job hung"),
+    "why-hung": ("portspeed.trace.cli.why_hung:main",
+                 "read the ranks' flight-recorder dumps and name why the job hung"),
     "compare": ("portspeed.parity.compare:main", "compare per-iteration losses of two or more runs"),
-    "precheck": ("portspeed.cli.precheck:main", "replay an op-level probe dump in float64: ops off their band"),
+    "precheck": ("portspeed.probe.cli.precheck:main", "replay an op-level probe dump in float64: ops off their band"),
     "conformance": ("portspeed.conformance.__main__:main",
                     "prove a device adapter on its hardware: device, collectives, training vs CPU losses"),
 }

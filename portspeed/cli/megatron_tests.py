@@ -51,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from portspeed.accelerator.scope import FRAMEWORK_ENV
+from portspeed.translation.scope import FRAMEWORK_ENV
 from portspeed.config import LATE_MODULES_ENV
 from portspeed.errors import PortspeedError
 from portspeed.testing.pytest_rank_report import REPORT_ENV

@@ -1,6 +1,6 @@
 """`portspeed run`'s perf switches: ``--perf DIR`` and its companions, turned into PORTSPEED_PERF_* for the workers.
 
-Why in the launcher: as for the probe (``portspeed.cli.probe_options``), a bad switch is refused in one
+Why in the launcher: as for the probe (``portspeed.probe.cli.options``), a bad switch is refused in one
 line, exit 2, before any worker starts and before anything is created, and a folder that already holds a
 recording is only knowable for all ranks here. Each switch is read by the parser its variable is declared
 with (``portspeed.settings.TABLE``), so the launcher reads it as every worker, and a torchrun launch, does;
@@ -17,7 +17,7 @@ import glob
 import os
 
 from portspeed import config
-from portspeed.cli import recording_options
+from portspeed.probe.cli import recording_options
 from portspeed.errors import ConfigError
 
 __all__ = ["add_arguments", "environment", "make_folder", "existing_recordings"]

@@ -19,7 +19,7 @@ the closing lines are `portspeed why-hung`'s answer and the dump folder. It sets
 does) and turns recording on (``PORTSPEED_TRACE``, 2000 entries unless set); the adaptor is then
 set up at launch, so a script that never imports the framework is recorded too, and a rank that
 records nothing is named with the reason and ends the job as a hang would
-(``portspeed.cli.hang_watch``). Whenever recording is on, the dumps go
+(``portspeed.trace.cli.hang_watch``). Whenever recording is on, the dumps go
 to ``PORTSPEED_TRACE_DIR`` or a new folder under the temporary directory, named in one line,
 and a run whose dumps show a cause ends with that answer (docs/reliability.md, "When it hangs").
 
@@ -28,7 +28,7 @@ and a run whose dumps show a cause ends with that answer (docs/reliability.md, "
 (or op) statistics of the chosen iterations into DIR with no edit to the script
 (``portspeed.probe``, docs/probe-format.md), through the ``PORTSPEED_PROBE_*`` variables it sets for the
 workers; a bad switch, an unwritable DIR or a DIR that already holds a dump is refused before any
-worker starts (``portspeed.cli.probe_options``).
+worker starts (``portspeed.probe.cli.options``).
 
 ``--perf DIR`` (with ``--perf-iterations A:B``, ``--perf-ranks R,...``, ``--perf-level module|op``)  times
 each module's forward and backward, host syncs, CPU fallbacks and collectives of the chosen iterations,
@@ -54,7 +54,9 @@ import os
 import sys
 
 from portspeed import config
-from portspeed.cli import failures, hang_watch, perf_options, probe_options
+from portspeed.cli import failures, perf_options
+from portspeed.probe.cli import options as probe_options
+from portspeed.trace.cli import hang_watch
 from portspeed.errors import PortspeedError
 from portspeed.integrations import patch_sets
 

@@ -21,7 +21,7 @@ reference to ``__main__`` resolves. Forked children inherit everything anyway.
 With recording on (``PORTSPEED_TRACE``, or a hang timeout) the adaptor is set up at launch, not at
 the framework's first import: a script that never imports the framework (plain torch) is recorded
 too, and `portspeed run --hang-timeout` watches it. Under a hang timeout the worker also keeps a file
-saying why this rank records nothing until its recorder starts (``portspeed.cli.hang_watch``).
+saying why this rank records nothing until its recorder starts (``portspeed.trace.cli.hang_watch``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     if opts.local_rank is not None:
         script_args = [f"--local-rank={opts.local_rank}", *script_args]
     os.environ[ADAPTOR_ENV] = opts.adaptor
-    from portspeed.cli.hang_watch import note_unrecorded
+    from portspeed.trace.cli.hang_watch import note_unrecorded
 
     note_unrecorded(opts.adaptor)  # under a hang timeout: why this rank records nothing, until it does
     target = f"module:{what}" if opts.module else f"path:{os.path.abspath(what)}"

@@ -1,9 +1,11 @@
 """Collectives: which backend a group really runs on, what that backend lacks, and the rewrites.
 
-Layer: engine, above ``portspeed.accelerator``. Imports the foundation and ``portspeed.accelerator``
-(the active adapter, and the capability vocabulary it declares its backend's gaps in); never a
-patch and never a framework, and ``portspeed.accelerator`` never imports this package. The patches in
-``portspeed.patches.torch_distributed`` wire these functions onto ``torch.distributed``.
+Layer: engine, above ``portspeed.accelerator``. Imports the foundation, ``portspeed.accelerator``
+(the active adapter, and the capability vocabulary it declares its backend's gaps in) and the flight
+recorder's recording floor (``portspeed.trace``: torch's recorder turned on before a group, a CCL's staging
+groups labelled); never a patch and never a framework, and neither ``portspeed.accelerator`` nor
+``portspeed.trace`` imports this package. The patches in ``portspeed.patches.torch_distributed`` wire these
+functions onto ``torch.distributed``.
 
 Modules, in import order (each imports only those above it):
 

@@ -36,7 +36,8 @@ from typing import Any, Callable
 from torch.distributed import distributed_c10d as c10d
 
 from portspeed.accelerator.declarations import STAGED_BACKEND
-from portspeed.comm import backends, ccl_check, nan_check, staged, trace_torch
+from portspeed.comm import backends, ccl_check, nan_check, staged
+from portspeed.trace import torch_recorder as trace_torch
 from portspeed.comm.backends import _REQUESTED, _accelerator, _pg, map_backend, real_backend
 from portspeed.accelerator.capabilities import Capabilities, capabilities_for
 from portspeed.comm.gloo_init import lazy_gloo

@@ -79,9 +79,10 @@ CHECKED: dict[str, tuple[str | None, str, str | None, str, str | None]] = {
 
 #: torch's message for a NaN its NanCheckHook found (torch 2.15, ``c10d::check_for_nan``)
 _TORCH_NAN_MESSAGE = "NaN found in input tensor"
-#: frames that are not the caller: torch.distributed's own, portspeed's collective wrappers, wrapt
+#: frames that are not the caller: torch.distributed's own, portspeed's collective wrappers (the router's, the
+#: recorder's), wrapt
 _PLUMBING = (os.sep + os.path.join("torch", "distributed") + os.sep,
-             os.sep + os.path.join("portspeed", "comm") + os.sep,
+             os.sep + os.path.join("portspeed", "comm") + os.sep, os.sep + os.path.join("portspeed", "trace") + os.sep,
              os.sep + "wrapt" + os.sep, os.path.join("patches", "torch_distributed.py"))
 
 

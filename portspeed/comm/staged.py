@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from portspeed.accelerator.declarations import STAGED_BACKEND as BACKEND_NAME
 from portspeed.accelerator.declarations import STAGEABLE
-from portspeed.comm import trace_staging
+from portspeed.trace import staging as trace_staging
 
 __all__ = ["BACKEND_NAME", "STAGEABLE", "StagedProcessGroup", "register"]
 

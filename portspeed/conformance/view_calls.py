@@ -1,6 +1,6 @@
 """The torch.cuda calls the scoped view serves to Megatron and DeepSpeed, each made on the device.
 
-Why: framework modules see ``torch.cuda`` as portspeed's view (``portspeed.accelerator.cuda_view.CUDA_API``), each
+Why: framework modules see ``torch.cuda`` as portspeed's view (``portspeed.translation.cuda_view.CUDA_API``), each
 name answered by an adapter method. A default that the device cannot serve (OpenReg's
 ``torch.accelerator.get_memory_info`` raises NotImplementedError, reached by Megatron through
 ``torch.cuda.get_device_properties``) fails inside the framework, far from its cause. Here every such call is
@@ -142,7 +142,7 @@ def run_view_checks(acc: Any, report: Report) -> None:
     """Make every call of ``CALLS`` through the view on ``acc``'s device; one line per call that raises, one line
     for the rest; then whether the device answers its total memory itself."""
     from portspeed.accelerator.contract import Accelerator, host_memory_bytes
-    from portspeed.accelerator.cuda_view import CudaView
+    from portspeed.translation.cuda_view import CudaView
 
     view, dev, cls = CudaView(), acc.device(0), type(acc).__name__
     acc.set_device(0)

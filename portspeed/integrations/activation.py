@@ -35,7 +35,7 @@ import threading
 from typing import Any, Callable
 
 import portspeed
-from portspeed.accelerator.scope import is_under
+from portspeed.translation.scope import is_under
 
 __all__ = ["defer", "activate_waiting", "waiting", "cancel"]
 

@@ -6,7 +6,7 @@ framework module (``megatron``, or a prefix in PORTSPEED_FRAMEWORK_MODULES) is i
 that module's code runs; at once when Megatron is already imported
 (``portspeed.integrations.activation``). ``activate()``
 - scopes the torch / torch.cuda translation onto Megatron's modules
-  (``portspeed.accelerator.translation.enable``; nothing is translated on a CUDA adapter);
+  (``portspeed.translation.importer.enable``; nothing is translated on a CUDA adapter);
 - registers the torch_cuda patches, every Megatron patch (``portspeed.patches.megatron``)
   and the collective router (``portspeed.patches.torch_distributed``) into
   ``portspeed.manager()`` and applies them (lazily: a patch whose module is not imported
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from portspeed import config
 from portspeed.accelerator import preflight
-from portspeed.accelerator import scope as framework_modules
+from portspeed.translation import scope as framework_modules
 from portspeed.integrations import activation
 from portspeed.lazy import lazy_exports
 
@@ -86,7 +86,7 @@ def _ensure_log_output() -> None:
 def activate() -> None:
     """Enable the scoped translation and register + apply the patch set (idempotent)."""
     import portspeed
-    from portspeed.accelerator import translation
+    from portspeed.translation import importer as translation
 
     activation.cancel(ADAPTOR)
     _ensure_log_output()
@@ -100,7 +100,7 @@ def activate() -> None:
 def deactivate() -> None:
     """Revert what ``activate`` did (tests)."""
     import portspeed
-    from portspeed.accelerator import translation
+    from portspeed.translation import importer as translation
 
     activation.cancel(ADAPTOR)
     portspeed.manager().revert()

@@ -5,7 +5,7 @@
                       [--plot out.png] [--json out.json] [--markdown out.md]
     portspeed compare SPEC.json [--workdir DIR]           # launch the runs a spec lists, then compare
     portspeed compare --probe REF_DIR RUN_DIR [--iterations A:B] [--rtol X] [--json out.json]
-                                                           # where two probed runs part (probe_compare)
+                                                           # where two probed runs part (probe.reading.compare)
     portspeed compare --perf REF_DIR RUN_DIR [--threshold POINTS] [--json out.json]
                                                            # where RUN is slow against REF (perf_compare)
     portspeed compare --perf RUN_DIR [--chrome trace.json]  # the slow rank of one run (perf_ranks), its timeline
@@ -307,7 +307,7 @@ def _main_probe(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"portspeed compare: error: {' '.join(given)} compare losses, not probe dumps; --probe takes "
               "--iterations, --rtol (every statistic's band, relative to the tensor's scale) and --json", file=err)
         return EXIT_BAD_INPUT
-    from portspeed.parity.probe_compare import main_probe  # only --probe users pay for it
+    from portspeed.probe.reading.compare import main_probe  # only --probe users pay for it
     try:
         return main_probe(args.runs, out, args.iterations, args.rtol, args.json)
     except PortspeedError as e:

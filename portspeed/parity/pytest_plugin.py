@@ -103,7 +103,7 @@ def _probe_line(exp: "LossRecord", act: "LossRecord") -> tuple[bool, str] | None
         return False, (f"probe: only the {'expected' if a else 'actual'} run was probed ({a or b}); probe both to "
                        "name where they part")
     from portspeed.errors import PortspeedError
-    from portspeed.parity.probe_compare import compare_dumps, first_line
+    from portspeed.probe.reading.compare import compare_dumps, first_line
     try:
         report = compare_dumps(a, b)
     except PortspeedError as e:

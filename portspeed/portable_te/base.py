@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from portspeed.accelerator.torch_namespace import translate_device
+from portspeed.translation.torch_namespace import translate_device
 
 __all__ = ["PortableModule", "resolve_device", "set_tp_attributes", "tracker_fork"]
 

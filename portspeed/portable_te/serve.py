@@ -18,7 +18,7 @@ The decision: ``transformer_engine`` is served only
    distribution; the served import is also only asked after the real import failed).
 
 ``served_import`` is what the declared patch ``megatron.core.transformer_engine.portable``
-installs in place of ``portspeed.accelerator.translation.served_import``.
+installs in place of ``portspeed.translation.importer.served_import``.
 """
 
 from __future__ import annotations

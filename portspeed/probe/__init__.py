@@ -14,35 +14,56 @@ Trainer mark iterations through patches declared only when probing is configured
             loss = model(x).sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 The format is docs/probe-format.md; ``portspeed compare --probe REF RUN`` reads it.
+
+Floors (``tests/test_layers.py``; docs/architecture.md), each importing only those below it:
+
+- recording (this package's modules; the plugins floor): ``session`` an iteration's life, ``sessions`` one
+  session per process (shared with ``portspeed.perf``), ``stats``, ``entries``, ``modules``, ``params``, ``ops``,
+  ``collectives``, ``kernel_calls``, ``nan``, ``meta``, ``writer``; ``sharding`` how a module's tensors are split
+  over tp / cp / ep / dp as the run records it; ``replay`` a recorded op run again (for precheck).
+- reading (``reading``; the parity floor: the foundation only, no torch): ``reading.dumps`` the dumps read,
+  ``reading.pairing`` a run's entries paired with the reference's across layouts, ``reading.bands``,
+  ``reading.compare`` (`portspeed compare --probe`).
+- command line (``cli``): ``cli.options`` (`portspeed run --probe DIR`'s switches), ``cli.recording_options``
+  (what they share with ``--perf``'s), ``cli.precheck`` (`portspeed precheck DIR`).
+
+This file imports nothing at its import (the marks' session module is loaded at the first mark), so reading a
+probe folder (``portspeed compare --probe``) loads no recording code and no torch.
 """
 
 from __future__ import annotations
 
 from typing import Any, ContextManager
 
-from portspeed.probe.sessions import LoopMarks
-
 __all__ = ["iteration", "begin_iteration", "end_iteration", "active"]
 
-_MARKS = LoopMarks("portspeed.probe.session", is_active=lambda s: s.record is not None,
-                   begun=lambda s: s.watch_torch_optimizers())
+_MARKS = None  # portspeed.probe.sessions.LoopMarks, made at the first mark: importing this package loads nothing
+
+
+def _marks() -> Any:
+    global _MARKS
+    if _MARKS is None:
+        from portspeed.probe.sessions import LoopMarks
+        _MARKS = LoopMarks("portspeed.probe.session", is_active=lambda s: s.record is not None,
+                           begun=lambda s: s.watch_torch_optimizers())
+    return _MARKS
 
 
 def begin_iteration(n: int, model: Any) -> None:
     """Iteration ``n`` (1-based, as the loop counts) of ``model`` (a module, or a list of model chunks) begins."""
-    _MARKS.begin(n, model)
+    _marks().begin(n, model)
 
 
 def end_iteration() -> None:
     """The iteration begun by ``begin_iteration`` is over: its dump is written (and --probe-nan checks it)."""
-    _MARKS.call("end")
+    _marks().call("end")
 
 
 def iteration(n: int, model: Any) -> ContextManager[None]:
     """``begin_iteration(n, model)`` ... ``end_iteration()`` around the block (also when it raises)."""
-    return _MARKS.around(n, model)
+    return _marks().around(n, model)
 
 
 def active() -> bool:
     """Whether an iteration is being recorded (or watched by --probe-nan) in this process now."""
-    return _MARKS.active()
+    return _marks().active()

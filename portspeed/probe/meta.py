@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from portspeed.probe import layout as lay
+from portspeed.probe import sharding as lay
 from portspeed.probe.modules import ModuleTable
 
 __all__ = ["FORMAT", "VERSION", "parallel_of", "run_meta", "megatron_ranks"]

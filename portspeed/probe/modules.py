@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from portspeed.probe import layout as lay
+from portspeed.probe import sharding as lay
 from portspeed.probe.entries import IterationRecord
 
 __all__ = ["ModuleInfo", "ModuleTable", "ModuleHooks", "unwrap", "WRAPPERS"]

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from portspeed.probe import kernel_calls
-from portspeed.probe import layout as lay
+from portspeed.probe import sharding as lay
 from portspeed.probe import stats
 from portspeed.probe.entries import IterationRecord
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from portspeed.probe import layout as lay
+from portspeed.probe import sharding as lay
 from portspeed.probe.entries import IterationRecord
 from portspeed.probe.modules import ModuleTable
 

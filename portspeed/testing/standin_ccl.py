@@ -43,7 +43,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from portspeed.adapters.cpu import CpuAccelerator
-from portspeed.comm import trace_staging
+from portspeed.trace import staging as trace_staging
 from portspeed.vendor import BackendGaps, op_type
 
 __all__ = ["BACKEND_NAME", "StandinAccelerator", "StandinProcessGroup", "register"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from portspeed.comm import trace_staging
+from portspeed.trace import staging as trace_staging
 
 __all__ = ["BACKEND_NAME", "register_backend"]
 

@@ -28,7 +28,7 @@ The names of ``torch_namespace`` (``names_cuda``, ``translate_device``, ``TorchV
 
 Example::
 
-    from portspeed.accelerator import translation
+    from portspeed.translation import importer as translation
     translation.enable()           # megatron.* now sees torch.cuda answered by the adapter
     translation.is_framework_module("megatron.core.utils")   # True
 """
@@ -48,11 +48,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from portspeed.accelerator import get_accelerator
-from portspeed.accelerator import scope as framework_modules
-from portspeed.accelerator.cuda_view import CudaView
-from portspeed.accelerator.scope import (DEFAULT_PREFIXES, FRAMEWORK_ENV, framework_prefixes, is_framework_module,
+from portspeed.translation import scope as framework_modules
+from portspeed.translation.cuda_view import CudaView
+from portspeed.translation.scope import (DEFAULT_PREFIXES, FRAMEWORK_ENV, framework_prefixes, is_framework_module,
                                          valid_prefix)
-from portspeed.accelerator.torch_namespace import FACTORIES, Generator, TorchView, names_cuda, translate_device
+from portspeed.translation.torch_namespace import FACTORIES, Generator, TorchView, names_cuda, translate_device
 from portspeed.errors import ConfigError
 
 __all__ = [
@@ -77,7 +77,7 @@ __all__ = [
     "translate_device",
 ]
 
-log = logging.getLogger("portspeed.accelerator.translation")
+log = logging.getLogger("portspeed.translation.importer")
 
 _REAL_TORCH = torch
 _REAL_CUDA = torch.cuda

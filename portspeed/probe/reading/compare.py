@@ -5,8 +5,8 @@ Why: loss parity names the iteration where losses part, and can miss a wrong sha
 module's output, gradient and parameter; put in the order the iteration computed them, the first
 one outside its band is where the runs part.
 
-Contract: both dumps are read (`probe_format`), put on the reference's layout (`probe_layout`) and
-judged tensor by tensor (`probe_bands`) in a fixed order: iteration, micro-batch, forward by global
+Contract: both dumps are read (`dumps`), put on the reference's layout (`pairing`) and
+judged tensor by tensor (`bands`) in a fixed order: iteration, micro-batch, forward by global
 layer number, then backward in reverse, then parameter gradients (in backward order), then the
 parameters after the step. The report's first line is exactly (one line; folded here)::
 
@@ -35,9 +35,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from portspeed.parity.probe_bands import STAT_ORDER, UPDATED_STATS, Verdict, bands_for, check
-from portspeed.parity.probe_format import ProbeDump, ProbeInputError, read_dump
-from portspeed.parity.probe_layout import Copy, Pairing, Side, Slot, pair_dumps
+from portspeed.probe.reading.bands import STAT_ORDER, UPDATED_STATS, Verdict, bands_for, check
+from portspeed.probe.reading.dumps import ProbeDump, ProbeInputError, read_dump
+from portspeed.probe.reading.pairing import Copy, Pairing, Side, Slot, pair_dumps
 
 __all__ = ["TensorResult", "ProbeReport", "compare_dumps", "first_line", "format_report", "main_probe"]
 

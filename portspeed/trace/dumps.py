@@ -18,7 +18,7 @@ import re
 __all__ = ["Unreadable", "load", "through_entry", "op_name", "call_site", "ranks_of"]
 
 _TRAILING_RANK = re.compile(r"(\d+)$")
-#: portspeed.comm.trace.WRITE_THROUGH_FIELDS (not imported: reading dumps needs no torch)
+#: portspeed.trace.flight_recorder.WRITE_THROUGH_FIELDS (not imported: reading dumps needs no torch)
 _THROUGH_FIELDS = ("record_id", "pg_name", "pg_desc", "collective_seq_id", "p2p_seq_id", "profiling_name",
                    "input_sizes", "input_dtypes", "output_sizes", "output_dtypes", "time_created_ns", "is_p2p",
                    "ps_peer", "ps_ranks", "ps_op", "frame_name", "frame_filename", "frame_line")
@@ -35,8 +35,9 @@ def op_name(e: dict) -> str:
 
 
 #: frames that are not the call site: torch's own distributed code (its *_object collectives, its logger
-#: wrapper: torch's recorder keeps them, innermost first) and portspeed's wrappers
-_PLUMBING = re.compile(r"[/\\](torch[/\\]distributed|portspeed[/\\]comm|wrapt|torch[/\\]_library)[/\\]"
+#: wrapper: torch's recorder keeps them, innermost first) and portspeed's wrappers (the router's in comm/, the
+#: recorder's in trace/)
+_PLUMBING = re.compile(r"[/\\](torch[/\\]distributed|portspeed[/\\](comm|trace)|wrapt|torch[/\\]_library)[/\\]"
                        r"|[/\\]patches[/\\]torch_distributed\.py$|[/\\]torch[/\\]_ops\.py$")
 
 
@@ -86,7 +87,7 @@ def load(folder: str) -> dict[int, dict]:
             with open(path, "rb") as f:
                 data = pickle.load(f)
             entries, cfg = data.get("entries", []), data["pg_config"]  # torch leaves "entries" out when empty
-            if data.get("ps_staged"):  # a CCL's inner calls (portspeed.comm.trace_staging): evidence only
+            if data.get("ps_staged"):  # a CCL's inner calls (portspeed.trace.staging): evidence only
                 entries = sorted([*entries, *data["ps_staged"]], key=lambda e: e.get("record_id") or 0)
         except Exception as exc:
             raise Unreadable(f"{path}: not a flight-recorder dump ({type(exc).__name__}: {exc})") from None
@@ -197,7 +198,7 @@ def _gloo_names(e: dict) -> dict:
 
 
 def through_entry(line: str) -> dict | None:
-    """A write-through line (``portspeed.comm.trace.WRITE_THROUGH_FIELDS``) as a dump entry."""
+    """A write-through line (``portspeed.trace.flight_recorder.WRITE_THROUGH_FIELDS``) as a dump entry."""
     try:
         values = ast.literal_eval(line.strip())
         e = dict(zip(_THROUGH_FIELDS, values, strict=True))

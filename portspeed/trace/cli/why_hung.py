@@ -1,6 +1,6 @@
 """`portspeed why-hung DIR`: read every rank's flight-recorder dump and name, in one line, why the job hung.
 
-Why: a hung job leaves one dump per rank (``portspeed.comm.trace``, or torch's own flight
+Why: a hung job leaves one dump per rank (``portspeed.trace.flight_recorder``, or torch's own flight
 recorder); the answer is in how the ranks' sequences of collectives stop agreeing, which is
 tedious to find by hand and easy to find by machine.
 
@@ -11,7 +11,7 @@ issued, so a rank that died hard still shows its last one). One recorder's numbe
 ranks: portspeed's where it covers as many ranks as torch's; on torch >= 2.15, where torch records
 Gloo's collectives and the hooked backends' calls and portspeed the rest, both together
 (``trace_dumps``: each call once). A CCL's staging group
-(``portspeed.comm.trace_staging``) is never the cause; a rank stuck in one is shown in the
+(``portspeed.trace.staging``) is never the cause; a rank stuck in one is shown in the
 evidence. Then, group by group, in this order, the first finding is the cause:
 
 1. at the lowest collective sequence number where the ranks disagree: another op (op
@@ -37,10 +37,10 @@ import re
 import sys
 from typing import Any
 
-from portspeed.cli.trace_dumps import Unreadable, load
-from portspeed.cli.trace_dumps import call_site as _site
-from portspeed.cli.trace_dumps import op_name as _op
-from portspeed.cli.trace_dumps import ranks_of as _ranks_of
+from portspeed.trace.dumps import Unreadable, load
+from portspeed.trace.dumps import call_site as _site
+from portspeed.trace.dumps import op_name as _op
+from portspeed.trace.dumps import ranks_of as _ranks_of
 
 __all__ = ["Finding", "Unreadable", "load", "analyse", "answer", "main", "STRAGGLER_S"]
 
@@ -109,7 +109,7 @@ def analyse(dumps: dict[int, dict]) -> Finding:
 
 
 def _staging(e: dict) -> bool:
-    """A call of a CCL's inner staging group (portspeed.comm.trace_staging): evidence, never the cause."""
+    """A call of a CCL's inner staging group (portspeed.trace.staging): evidence, never the cause."""
     name = str((e.get("process_group") or ("",))[0])
     return bool(e.get("ps_staging")) or name.endswith("/staging") or name.startswith("staging:")
 

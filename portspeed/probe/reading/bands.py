@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from portspeed.parity.probe_format import Merged
+from portspeed.probe.reading.dumps import Merged
 
 __all__ = ["Bands", "BANDS", "Verdict", "bands_for", "dtype_class", "check", "STAT_ORDER", "UPDATED_STATS"]
 

@@ -1,7 +1,7 @@
 """The flight recorder's files and settings by name: what the ranks write into the dump folder, what the launcher reads.
 
-Why a module of its own: the ranks (the recorder, ``portspeed.comm.trace``, and `portspeed run`'s
-worker) write these files and the launcher's watchdog (``portspeed.cli.hang_watch``) reads them in a
+Why a module of its own: the ranks (the recorder, ``portspeed.trace.flight_recorder``, and `portspeed run`'s
+worker) write these files and the launcher's watchdog (``portspeed.trace.cli.hang_watch``) reads them in a
 process that must not load torch; both take the names from here, so the two sides cannot drift.
 The variables are parsed by ``portspeed.config`` only (one reading for the launcher and every rank);
 they are named here for the processes that set them.

@@ -1,13 +1,13 @@
 """Which modules are *framework modules*: the ones that see the translated torch.
 
-Kept apart from ``portspeed.accelerator.translation`` (which imports torch and the views) because the
+Kept apart from ``portspeed.translation.importer`` (which imports torch and the views) because the
 adaptors need the answer at their own import, before anything heavy is loaded: their
 deferred activation (``portspeed.integrations.activation``) fires on the first import of a framework
 module.
 
 The prefixes are ``megatron``, the comma-separated names in ``PORTSPEED_FRAMEWORK_MODULES``
 (validated: a typo raises ConfigError naming the variable), and those added with
-``portspeed.accelerator.translation.add_framework_prefixes``. A module is a framework module when its
+``portspeed.translation.importer.add_framework_prefixes``. A module is a framework module when its
 name equals a prefix or starts with a prefix and a dot; torch itself never is.
 """
 

@@ -1,7 +1,7 @@
 """``CudaView``: the torch.cuda API as framework modules see it, answered by the active adapter.
 
 The view is a table, ``CUDA_API`` (torch.cuda name -> rule, in the rule kinds of
-``portspeed.accelerator.cuda_rules``), built into plain functions and objects once, when
+``portspeed.translation.cuda_rules``), built into plain functions and objects once, when
 this module is imported; this module holds the table and the few hand-written pieces it
 uses (device context, generators, properties, ranges, amp).
 
@@ -10,12 +10,12 @@ with torch.cuda's signatures and return types (``current_device()`` is an int,
 ``default_generators[i]`` a generator, ``_lazy_call`` runs at once); CUDA-only features
 (graphs, memory pools, external streams) and any name not mapped raise
 ``UnsupportedCudaCallError`` naming the call, the caller's file:line, the adapter and what
-to do. ``portspeed.accelerator.translation`` scopes this view onto framework modules; nothing else
+to do. ``portspeed.translation.importer`` scopes this view onto framework modules; nothing else
 sees it.
 
 Example::
 
-    from portspeed.accelerator.translation import cuda_view
+    from portspeed.translation.importer import cuda_view
     cuda_view().current_device()      # 0 on the CPU adapter
 """
 
@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from portspeed.accelerator import get_accelerator
-from portspeed.accelerator.cuda_rules import (BOOL, DISCARD, INT, Alias, Delegate, Forward, NamedOnly, Namespace,
+from portspeed.translation.cuda_rules import (BOOL, DISCARD, INT, Alias, Delegate, Forward, NamedOnly, Namespace,
                                               Returns, Signature, Unsupported, Use, build)
-from portspeed.accelerator.served_class import served_class
+from portspeed.translation.served_class import served_class
 from portspeed.errors import UnsupportedCudaCallError
 
 __all__ = ["CUDA_API", "CudaView"]

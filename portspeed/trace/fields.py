@@ -1,12 +1,12 @@
 """What a flight-recorder entry holds, spelled as torch's dumps spell it, and the hot path's first-seen caches.
 
-Why a module of its own: ``portspeed.comm.trace`` (the recorder) builds one entry per call on
+Why a module of its own: ``portspeed.trace.flight_recorder`` (the recorder) builds one entry per call on
 the hot path; this is its vocabulary: the write-through line's fields and its definition
 (``write_through_line``), the op table (``OPS``: where each ``torch.distributed`` function keeps its
 tensors, group and peer), c10 dtype names, and the caches that let an entry for a call seen before
 be built by lookups (``callers`` walks the caller frames through them; issue 25 measured the cold
 rebuild at ~42 µs a call inside a training step: docs/benchmarks.md, "Recording"). The file
-names are ``portspeed.comm.trace_files``.
+names are ``portspeed.trace.files``.
 """
 
 from __future__ import annotations

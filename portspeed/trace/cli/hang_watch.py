@@ -2,7 +2,7 @@
 
 Why: Gloo's default timeout is 30 minutes, and a rank stuck in Python outside any collective
 has none at all; the user wants the job ended, and the rank and collective named, in S
-seconds. Each worker's recorder (``portspeed.comm.trace``) keeps a heartbeat file in the dump
+seconds. Each worker's recorder (``portspeed.trace.flight_recorder``) keeps a heartbeat file in the dump
 folder whose mtime is the time of its last completed call (or, until its first call, now: start-up
 is progress) and whose text is its pid. This launcher-side thread reads those files once a second;
 when none moved for S seconds it sends every recording worker SIGUSR1 (each dumps its buffer from a
@@ -15,7 +15,7 @@ watch nothing for ever. So each worker (``note_unrecorded``, rank side) keeps a 
 recorder starts, saying why it records nothing yet: still starting (torch not imported: progress),
 no adaptor imported, an adaptor whose set-up waits for its framework's first import, or recording
 off in that rank. A rank in one of the last three for S seconds is named, with that reason, and the
-job is ended as for a hang. The file names are ``portspeed.comm.trace_files``; the settings are read
+job is ended as for a hang. The file names are ``portspeed.trace.files``; the settings are read
 by ``portspeed.config`` alone (the launcher and the ranks share its one reading).
 """
 
@@ -32,9 +32,9 @@ import time
 from typing import Iterator, Mapping
 
 from portspeed import config
-from portspeed.comm.trace_files import (BEAT_SUFFIX, DUMP_PREFIX, HANG_ENV, TRACE_DIR_ENV, TRACE_ENV, UNRECORDED_SUFFIX,
-                                        progress_rank, unrecorded_file)
 from portspeed.errors import ConfigError, PortspeedError
+from portspeed.trace.files import (BEAT_SUFFIX, DUMP_PREFIX, HANG_ENV, TRACE_DIR_ENV, TRACE_ENV, UNRECORDED_SUFFIX,
+                                   progress_rank, unrecorded_file)
 
 __all__ = ["Hang", "Unrecorded", "check", "prepare", "watching", "closing_lines", "note_unrecorded", "why_unrecorded"]
 
@@ -228,7 +228,7 @@ def closing_lines(folder: str | None, hang: Hang, failed: bool) -> None:
     on and there is something to say."""
     if folder is None:
         return
-    from portspeed.cli import why_hung
+    from portspeed.trace.cli import why_hung
 
     code, lines = why_hung.answer(folder)
     if code == 2 and not (failed or hang.fired):
@@ -290,7 +290,7 @@ def _write(path: str, text: str) -> None:
 def _keep_note(path: str, adaptor: str) -> None:
     last = ""
     while True:
-        trace = sys.modules.get("portspeed.comm.trace")
+        trace = sys.modules.get("portspeed.trace.flight_recorder")
         if trace is not None and getattr(trace, "_recorder", None) is not None:
             with contextlib.suppress(OSError):
                 os.remove(path)  # the recorder's heartbeat takes over

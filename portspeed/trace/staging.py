@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from portspeed.comm.trace import Recorder, _device, _rank, _sizes, recorder
+from portspeed.trace.flight_recorder import Recorder, _device, _rank, _sizes, recorder
 
 __all__ = ["label", "stage", "staged_done"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from portspeed import config
-from portspeed.cli import recording_options
+from portspeed.probe.cli import recording_options
 from portspeed.errors import ConfigError
 
 __all__ = ["add_arguments", "environment", "make_folder"]

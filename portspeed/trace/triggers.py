@@ -1,12 +1,12 @@
 """When a rank dumps its flight recorder: signals, the exception that ends it, exit, a call in flight too long.
 
-Why a module of its own: the recorder (``portspeed.comm.trace``) is what runs on every call;
+Why a module of its own: the recorder (``portspeed.trace.flight_recorder``) is what runs on every call;
 this is what runs once per process (``install``, when the first recording patch is made) and
 in one daemon thread (``_watch``). The thread reads the signal-wakeup pipe, so SIGUSR1 dumps
 even while the main thread blocks inside a collective (a Python signal handler would wait for
 the collective to return); on SIGTERM it dumps, then the process dies of SIGTERM as it would
 have (the launcher still reads "killed by SIGTERM"). It also keeps the heartbeat file that
-`portspeed run --hang-timeout` watches (``portspeed.cli.hang_watch``; touched every second until
+`portspeed run --hang-timeout` watches (``portspeed.trace.cli.hang_watch``; touched every second until
 the rank's first call, so a slow start-up is not a hang), and dumps once when one call stays in
 flight longer than ``PORTSPEED_TIMEOUT``.
 
@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from portspeed import config
-from portspeed.comm.trace_files import beat_file
+from portspeed.trace.files import beat_file
 
 __all__ = ["install"]
 
@@ -36,8 +36,8 @@ log = logging.getLogger("portspeed.trace")
 def install(rec: Any, on_exit: bool) -> None:
     """SIGUSR1, the exception that ends the rank, exit, the in-flight watchdog; write-through.
 
-    ``rec`` is the process's ``portspeed.comm.trace.Recorder``, which calls this when it starts (so this module
-    imports nothing of the recorder's: the import runs one way)."""
+    ``rec`` is the process's ``portspeed.trace.flight_recorder.Recorder``, which calls this when it starts (so this
+    module imports nothing of the recorder's: the import runs one way)."""
     try:
         rec.start_write_through()
     except OSError as exc:

@@ -1,6 +1,6 @@
 """The recording frames put in front of ``torch.distributed``'s functions when ``PORTSPEED_TRACE`` is on.
 
-Why a module of its own: the recorder (``portspeed.comm.trace``) holds the ring buffer, the
+Why a module of its own: the recorder (``portspeed.trace.flight_recorder``) holds the ring buffer, the
 sequence numbers and the dumps; these are the thin frames that feed it, installed by
 ``patches/torch_distributed.py`` in place of (or in front of the router's) function. Each is
 one plain-function frame: issue an entry, call the original, mark it done or failed; a call
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from portspeed.comm.trace import recorder
+from portspeed.trace.flight_recorder import recorder
 
 __all__ = ["traced", "traced_batch"]
 
@@ -46,7 +46,8 @@ def traced(name: str, route: Callable[[Callable], Callable] | None = None) -> Ca
             return out
 
         recorded.__name__ = recorded.__qualname__ = getattr(original, "__name__", name)
-        recorded.__doc__ = f"torch.distributed.{name}, recorded by portspeed.comm.trace.\n\n" + (original.__doc__ or "")
+        recorded.__doc__ = (f"torch.distributed.{name}, recorded by portspeed.trace.flight_recorder.\n\n"
+                            + (original.__doc__ or ""))
         recorded.__wrapped__ = original  # type: ignore[attr-defined]
         return recorded
 

@@ -13,9 +13,9 @@ Contract
   error is handed back untouched; nothing here changes what a collective computes or when
   it completes. A call made inside a recorded one (a rewrite, ``batch_isend_irecv``'s own
   ``isend``) is not recorded twice.
-- The wrappers that feed it, one plain-function frame each, are ``portspeed.comm.trace_wrappers``; an
+- The wrappers that feed it, one plain-function frame each, are ``portspeed.trace.wrappers``; an
   entry's vocabulary (file names, the op table, dtype names, the hot path's caches) is
-  ``portspeed.comm.trace_fields``.
+  ``portspeed.trace.fields``.
 - Off (the default): the patches are not installed at all (``patches/torch_distributed.py``),
   so the routed hot path is the router's, unchanged. On: one plain-function frame in front
   of the routed function (docs/benchmarks.md, "Recording").
@@ -29,14 +29,14 @@ Contract
   thread blocked inside a collective still dumps), on SIGTERM (the launcher stopping the
   rank: it dumps, then dies of SIGTERM as before), on an exception that ends the rank, when
   a recorded call raises, when one call stays in flight longer than ``PORTSPEED_TIMEOUT``,
-  and at exit with ``PORTSPEED_TRACE_ON_EXIT=1`` (``portspeed.comm.trace_triggers``, which the recorder
+  and at exit with ``PORTSPEED_TRACE_ON_EXIT=1`` (``portspeed.trace.triggers``, which the recorder
   starts and which imports nothing of it). Each writes ``<dir>/portspeed_trace_rank_<R>`` (a pickle, as
-  torch's dumps) atomically; the folder's file names are ``portspeed.comm.trace_files``.
+  torch's dumps) atomically; the folder's file names are ``portspeed.trace.files``.
 - The caller's frames start past ``torch.distributed``'s own (its ``*_object`` collectives call the
   recorded functions: the entry is theirs, ``ps_via`` names the ``*_object`` function). The CCLs'
   inner staging groups are listed and, for the stand-in, their steps recorded apart
-  (``portspeed.comm.trace_staging``); on NCCL torch's own recorder runs too
-  (``portspeed.comm.trace_torch``, which hands the recorder its dump function: this module imports
+  (``portspeed.trace.staging``); on NCCL torch's own recorder runs too
+  (``portspeed.trace.torch_recorder``, which hands the recorder its dump function: this module imports
   neither). On torch >= 2.15, which records Gloo's collectives and hooked C++ backends' calls itself,
   those calls get no entry here (``torch_records``; their write-through line, sequence number and
   in-flight mark stay): no call is recorded twice, and a dump writes torch's buffers beside this one.
@@ -61,10 +61,10 @@ import time
 import weakref
 from typing import Any, Callable
 
-from portspeed.comm.trace_fields import (OPS, VERSION, WRITE_THROUGH_FIELDS, _META, _device, _meta,  # noqa: F401
-                                         _sizes, callers, write_through_line)
-from portspeed.comm.trace_files import (DUMP_PREFIX, HANG_ENV, PROGRESS_PREFIX, TORCH_DUMP_PREFIX,  # noqa: F401
-                                        WRITE_THROUGH_PREFIX)
+from portspeed.trace.fields import (OPS, VERSION, WRITE_THROUGH_FIELDS, _META, _device, _meta,  # noqa: F401
+                                    _sizes, callers, write_through_line)
+from portspeed.trace.files import (DUMP_PREFIX, HANG_ENV, PROGRESS_PREFIX, TORCH_DUMP_PREFIX,  # noqa: F401
+                                   WRITE_THROUGH_PREFIX)
 
 __all__ = ["OPS", "Recorder", "recorder", "enabled", "dump", "trace_dir", "DUMP_PREFIX", "PROGRESS_PREFIX",
            "WRITE_THROUGH_PREFIX", "HANG_ENV", "TORCH_DUMP_PREFIX", "WRITE_THROUGH_FIELDS", "write_through_line"]
@@ -108,7 +108,8 @@ class Recorder:
         #: the CCLs' inner staging calls (the stand-in's ring steps), apart: they must not push the user's calls out
         self.staged: collections.deque = collections.deque(maxlen=min(size, 256))
         self.staging_groups: list[dict] = []  # pg_config rows of the CCLs' inner groups
-        #: torch's own recorder is on (NCCL): a dump also writes torch's, with this (set by portspeed.comm.trace_torch)
+        #: torch's own recorder is on (NCCL): a dump also writes torch's, with this
+        #: (set by portspeed.trace.torch_recorder)
         self.torch_dump: Callable[[str, int], None] | None = None
         #: torch >= 2.15: group -> (torch records its collectives, its point-to-point calls) (set by trace_torch).
         #: Such calls keep their write-through line, sequence number and in-flight mark here, but their entry is
@@ -362,7 +363,7 @@ def recorder() -> Recorder | None:
 
         s = config.settings()
         _recorder = Recorder(s.trace, s.trace_dir, s.timeout)
-        from portspeed.comm.trace_triggers import install
+        from portspeed.trace.triggers import install
 
         install(_recorder, s.trace_on_exit)
     return _recorder

@@ -34,7 +34,7 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from portspeed.parity.probe_format import Entry, Merged, ProbeDump, ProbeInputError, TensorStats, merge, whole
+from portspeed.probe.reading.dumps import Entry, Merged, ProbeDump, ProbeInputError, TensorStats, merge, whole
 
 __all__ = ["Slot", "Copy", "Side", "Pairing", "pair_dumps", "PHASE_RANK"]
 

@@ -1,6 +1,6 @@
 """Reading a probe dump (docs/probe-format.md): ``step<I>/rank<R>/dump.json`` folders into entries.
 
-Why its own module: the comparison (`probe_compare`) and the pytest plugin read dumps on any
+Why its own module: the comparison (`reading.compare`) and the pytest plugin read dumps on any
 machine, so the reader needs the standard library alone (no torch, no msprobe, no device).
 
 Contract: `read_dump(DIR)` returns a `ProbeDump`: every rank's run meta and its entries, each

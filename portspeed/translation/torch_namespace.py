@@ -11,12 +11,12 @@ Contract
   everything else is the real torch object, copied into the view's namespace, so an
   attribute read costs what it costs on the real module.
 
-Which modules see the view, and when, is ``portspeed.accelerator.translation``'s business;
+Which modules see the view, and when, is ``portspeed.translation.importer``'s business;
 nothing here installs anything.
 
 Example::
 
-    from portspeed.accelerator.torch_namespace import translate_device
+    from portspeed.translation.torch_namespace import translate_device
     translate_device("cuda:0")        # device(type='cpu') on the CPU adapter
 """
 
@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 
 from portspeed.accelerator import get_accelerator
-from portspeed.accelerator.cuda_view import CudaView, _autocast
-from portspeed.accelerator.served_class import served_class
+from portspeed.translation.cuda_view import CudaView, _autocast
+from portspeed.translation.served_class import served_class
 
 __all__ = ["FACTORIES", "Generator", "TorchView", "names_cuda", "translate_device"]
 

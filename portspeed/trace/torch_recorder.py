@@ -2,7 +2,7 @@
 
 Why: on NCCL torch's recorder sees what portspeed's cannot: when a collective really started
 and completed on the device (CUDA events), from its own watchdog thread, and it dumps by
-itself on NCCL's timeout. portspeed's recorder (``portspeed.comm.trace``) still runs (it has
+itself on NCCL's timeout. portspeed's recorder (``portspeed.trace.flight_recorder``) still runs (it has
 the caller's line for every call and the write-through file); this module sets torch's
 settings before the default process group is made (``before_init``, called by
 ``portspeed.comm.groups`` with the real backend), so its dumps land in the same folder as
@@ -37,8 +37,8 @@ import os
 import sys
 from typing import Any
 
-from portspeed.comm.trace import recorder
-from portspeed.comm.trace_files import TORCH_DUMP_PREFIX
+from portspeed.trace.flight_recorder import recorder
+from portspeed.trace.files import TORCH_DUMP_PREFIX
 
 __all__ = ["TORCH_FR_ENV", "TORCH_GLOO_DUMP_PREFIX", "torch_recorder_env", "before_init", "dump_torch",
            "records_itself", "torch_records", "dump_torch_recorders"]

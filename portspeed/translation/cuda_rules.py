@@ -6,7 +6,7 @@ sixty near-copies; as a table (``cuda_view.CUDA_API``: name -> rule) each name i
 that says what it does, and the rules below are the only code.
 
 Contract: ``build(table, namespace)`` turns a table into ``(attributes, unsupported,
-named_only)`` *once*, when ``portspeed.accelerator.cuda_view`` is imported:
+named_only)`` *once*, when ``portspeed.translation.cuda_view`` is imported:
 
 - ``Delegate`` becomes a plain function compiled from source with the caller's module
   globals, so ``torch.cuda.current_device()`` runs exactly the bytecode the hand-written

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from portspeed.accelerator.kernel_ops import KERNEL_BANDS
-from portspeed.parity.probe_format import ProbeInputError, read_dump
+from portspeed.probe.reading.dumps import ProbeInputError, read_dump
 from portspeed.probe import replay as rp
 
 __all__ = ["BANDS", "CPU_RATIO", "Result", "error", "precheck", "main"]
@@ -106,7 +106,7 @@ def error(dev: torch.Tensor, gold: torch.Tensor) -> float:
 
 
 def _flat(entry: dict[str, Any]) -> dict[str, Any]:
-    """portspeed's keys as ``ps_*`` fields also where a dump nests them in one ``ps`` field (as probe_format reads)."""
+    """portspeed's keys as ``ps_*`` fields also where a dump nests them in one ``ps`` field (as reading.dumps reads)."""
     ps = entry.get("ps")
     if not isinstance(ps, dict):
         return entry

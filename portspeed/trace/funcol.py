@@ -4,7 +4,7 @@ Why: DTensor, torch TP / SequenceParallel, async-TP and parts of FSDP2 do not ca
 ``torch.distributed``'s collective functions; they call the functional collectives
 (``funcol.all_reduce``, ``all_gather_single``...), which go straight to
 ``torch.ops._c10d_functional.*``. A hang or a desync there was invisible to `portspeed
-why-hung`. These frames feed the same recorder (``portspeed.comm.trace``) through its public
+why-hung`. These frames feed the same recorder (``portspeed.trace.flight_recorder``) through its public
 methods, so a functional call takes the next collective sequence number of its process group,
 shared with the ``torch.distributed`` calls on that group (torch's own recorder also numbers
 per process group), and gets torch's dump fields.
@@ -43,7 +43,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from portspeed.comm.trace import recorder
+from portspeed.trace.flight_recorder import recorder
 
 __all__ = ["RECORDED", "traced"]
 
@@ -152,10 +152,16 @@ def _shape(kind: str, names: tuple[str, ...], args: tuple, kwargs: dict, pg: Any
     return "all_to_all_single", (_Out([rows, *x.shape[1:]], x.dtype), x, splits, _arg(args, kwargs, names, 2), pg)
 
 
+#: portspeed's own folders a call passes through before torch: the recorder's (here) and the router's (comm/, by
+#: path: this floor imports nothing of portspeed.comm)
+_OWN_DIRS = (os.path.dirname(__file__) + os.sep,
+             os.path.join(os.path.dirname(os.path.dirname(__file__)), "comm") + os.sep)
+
+
 def _user_frames(f: Any) -> list[dict]:
-    """The caller's frames, first outside torch's own package (DTensor, autograd, nn.Module) and portspeed.comm."""
-    here = os.path.dirname(__file__) + os.sep
-    while f is not None and f.f_code.co_filename.startswith((_TORCH_ROOT, here)):
+    """The caller's frames, first outside torch's own package (DTensor, autograd, nn.Module), the recorder's and
+    the router's (``portspeed.trace``, ``portspeed.comm``)."""
+    while f is not None and f.f_code.co_filename.startswith((_TORCH_ROOT, *_OWN_DIRS)):
         f = f.f_back
     frames = []
     while f is not None and len(frames) < _FRAMES:
@@ -258,7 +264,7 @@ def traced(name: str) -> Callable[[Callable], Callable]:
             return out
 
         recorded.__name__ = recorded.__qualname__ = getattr(original, "__name__", name)
-        recorded.__doc__ = f"funcol.{name}, recorded by portspeed.comm.trace_funcol.\n\n" + (original.__doc__ or "")
+        recorded.__doc__ = f"funcol.{name}, recorded by portspeed.trace.funcol.\n\n" + (original.__doc__ or "")
         recorded.__wrapped__ = original  # type: ignore[attr-defined]
         return recorded
 
