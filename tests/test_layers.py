@@ -21,7 +21,7 @@ SOURCES = {ROOT / "portspeed": "portspeed", ROOT / "patches": "portspeed.patches
 #: ``portspeed.probe`` (plugins), ``portspeed.probe.reading`` (parity), ``portspeed.probe.cli`` (top))
 LAYERS: dict[str, tuple[str, ...]] = {
     "foundation": ("portspeed.errors", "portspeed.config", "portspeed.settings", "portspeed.versions",
-                   "portspeed.lazy", "portspeed.teardown"),
+                   "portspeed.lazy", "portspeed.teardown", "portspeed.plotting"),
     "patching": ("portspeed.patching",),
     "accelerator": ("portspeed.accelerator", "portspeed.vendor"),
     "translation": ("portspeed.translation",),
@@ -29,9 +29,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "comm": ("portspeed.comm",),
     "plugins": ("portspeed.patches", "portspeed.adapters", "portspeed.testing", "portspeed.portable_te",
                 "portspeed.probe", "portspeed.perf"),
-    "parity": ("portspeed.parity", "portspeed.trace.dumps", "portspeed.probe.reading"),
+    "parity": ("portspeed.parity", "portspeed.trace.dumps", "portspeed.probe.reading", "portspeed.perf.reading"),
     "integrations": ("portspeed.integrations", "portspeed.megatron_adaptor", "portspeed.deepspeed_adaptor"),
-    "top": ("portspeed.cli", "portspeed.conformance", "portspeed.trace.cli", "portspeed.probe.cli"),
+    "top": ("portspeed.cli", "portspeed.conformance", "portspeed.trace.cli", "portspeed.probe.cli",
+            "portspeed.perf.cli"),
 }
 
 #: the package ``portspeed`` itself (``portspeed/__init__.py``: the public surface, ``portspeed.manager()``,

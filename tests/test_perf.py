@@ -210,10 +210,10 @@ def test_the_shares_are_drawn_with_the_planted_module_and_the_slow_rank_in_red(r
     require("matplotlib", "pip install 'portspeed[plot]'")
     import matplotlib.image
 
-    from portspeed.parity import perf_plot
-    from portspeed.parity.perf_compare import THRESHOLD_POINTS, compare_runs
-    from portspeed.parity.perf_format import read_run
-    from portspeed.parity.perf_ranks import find_slow_rank
+    from portspeed.perf.reading import plot as perf_plot
+    from portspeed.perf.reading.compare import THRESHOLD_POINTS, compare_runs
+    from portspeed.perf.reading.recordings import read_run
+    from portspeed.perf.reading.slow_rank import find_slow_rank
 
     code, out, _ = compare(recording(runs, "clean-a"), recording(runs, "item"), "--png", tmp_path / "cmd.png")
     assert code == 1 and first(out)["module"] == "decoder.layers.1.mlp", out[:2000]

@@ -25,7 +25,7 @@ import pytest
 
 from helpers.launch import Result, free_port, run_python
 from portspeed.parity import compare as compare_cli
-from portspeed.parity.perf_links import FAMILIES, bus_factor
+from portspeed.perf.reading.links import FAMILIES, bus_factor
 
 pytestmark = [pytest.mark.multiproc]
 

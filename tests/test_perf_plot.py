@@ -19,9 +19,9 @@ import pytest
 
 from helpers.requires import require
 from portspeed.parity import compare as compare_cli
-from portspeed.parity import perf_plot
-from portspeed.parity.perf_compare import THRESHOLD_POINTS, compare_runs
-from portspeed.parity.perf_format import read_run
+from portspeed.perf.reading import plot as perf_plot
+from portspeed.perf.reading.compare import THRESHOLD_POINTS, compare_runs
+from portspeed.perf.reading.recordings import read_run
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
 GROWN = "decoder.layers.1.mlp"

@@ -33,7 +33,7 @@ worker starts (``portspeed.probe.cli.options``).
 ``--perf DIR`` (with ``--perf-iterations A:B``, ``--perf-ranks R,...``, ``--perf-level module|op``)  times
 each module's forward and backward, host syncs, CPU fallbacks and collectives of the chosen iterations,
 per rank, into DIR (``portspeed.perf``, docs/performance.md), through ``PORTSPEED_PERF*``; refused as the
-probe's switches are (``portspeed.cli.perf_options``).
+probe's switches are (``portspeed.perf.cli.options``).
 
 Limits: ``--no-python`` (the script is an executable, so no Python runs before it) and
 ``--run-path`` (torchrun runs the script inside its own process) are refused with a
@@ -54,7 +54,8 @@ import os
 import sys
 
 from portspeed import config
-from portspeed.cli import failures, perf_options
+from portspeed.cli import failures
+from portspeed.perf.cli import options as perf_options
 from portspeed.probe.cli import options as probe_options
 from portspeed.trace.cli import hang_watch
 from portspeed.errors import PortspeedError

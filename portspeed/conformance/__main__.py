@@ -91,7 +91,7 @@ def _bandwidth_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     """(the table's path, the message sizes or None for the default); a bad value exits 2 naming it."""
     from portspeed.conformance.bandwidth import parse_bytes
     from portspeed.errors import ConfigError
-    from portspeed.parity.perf_links import default_path
+    from portspeed.perf.reading.links import default_path
     from portspeed.settings import BY_ENV
 
     try:

@@ -8,10 +8,10 @@ all_gather (``all_gather_into_tensor``), reduce_scatter (``reduce_scatter_tensor
 (x4 steps; ``--bandwidth-bytes``, default 1 KiB to 64 MiB, to 1 MiB where the device is the host), float32.
 Each size: ``WARMUP`` calls, then ``ITERATIONS`` calls between two synchronizations of the device; the time
 is the slowest rank's mean per call; ``bytes`` is the largest buffer (as nccl-tests and the recording count);
-``algbw = bytes / time``, ``busbw = algbw x`` nccl-tests' factor (``parity.perf_links.bus_factor``).
+``algbw = bytes / time``, ``busbw = algbw x`` nccl-tests' factor (``perf.reading.links.bus_factor``).
 
 Rank 0 prints ``RESULTS <json>``; ``run_bandwidth_checks`` adds one check per row and writes the rows into the
-link bandwidth table (``parity.perf_links``: one entry per adapter, backend and host) that `compare --perf`
+link bandwidth table (``perf.reading.links``: one entry per adapter, backend and host) that `compare --perf`
 reads. The ranks all run on this host (127.0.0.1): the table describes this host's link, not a network.
 """
 
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from portspeed.conformance.report import Report
 from portspeed.errors import PortspeedError
-from portspeed.parity import perf_links
+from portspeed.perf.reading import links as perf_links
 
 __all__ = ["parse_bytes", "rank_main", "run_bandwidth_checks", "sizes"]
 

@@ -97,7 +97,7 @@ def run_training_check(adapter: str, report: Report) -> None:
 def host_fallbacks_line(perf_dir: str) -> str:
     """The line naming the ops rank 0 ran on the host in iteration ``PERF_ITERATION`` (the CPU fallback's, and
     portspeed's host rung's), read from the perf recording the training run wrote in ``perf_dir``."""
-    from portspeed.parity.host_fallbacks import PREFIX, fallback_line
+    from portspeed.perf.reading.host_fallbacks import PREFIX, fallback_line
 
     path = Path(perf_dir) / "rank0.jsonl"
     lines = [json.loads(t) for t in path.read_text().splitlines() if t.strip()] if path.exists() else []

@@ -7,11 +7,12 @@
     portspeed compare --probe REF_DIR RUN_DIR [--iterations A:B] [--rtol X] [--json out.json]
                                                            # where two probed runs part (probe.reading.compare)
     portspeed compare --perf REF_DIR RUN_DIR [--threshold POINTS] [--json out.json]
-                                                           # where RUN is slow against REF (perf_compare)
-    portspeed compare --perf RUN_DIR [--chrome trace.json]  # the slow rank of one run (perf_ranks), its timeline
+                                                           # where RUN is slow against REF (perf.reading.compare)
+    portspeed compare --perf RUN_DIR [--chrome trace.json]  # one run's slow rank and slow link (perf.reading), its
+                                                           # timeline
                                                            # both --perf forms: [--bandwidth FILE], the link table
                                                            # `portspeed conformance --suites bandwidth` wrote
-    portspeed compare --perf [REF_DIR] RUN_DIR --png shares.png  # the shares drawn (perf_plot; needs matplotlib)
+    portspeed compare --perf [REF_DIR] RUN_DIR --png shares.png  # the shares drawn (perf.reading.plot; matplotlib)
 
 The first RUN is the reference. Exit status: 0 every run within tolerance, 1 some run
 outside it, 2 bad input (missing file, unknown format, no loss lines, mismatched iteration
@@ -292,7 +293,8 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
         print(f"portspeed compare: error: cannot write report: {e}", file=err)
         return EXIT_BAD_INPUT
     if args.plot:
-        from portspeed.parity.plot import PlotUnavailableError, plot_comparisons
+        from portspeed.parity.plot import plot_comparisons
+        from portspeed.plotting import PlotUnavailableError
         try:
             path = plot_comparisons(comps, args.plot)
             print(f"plot written to {path}", file=out)
@@ -327,9 +329,9 @@ def _main_perf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"portspeed compare: error: {' '.join(given)} do not apply to perf recordings; --perf takes "
               "--threshold, --json, --chrome, --bandwidth and --png", file=err)
         return EXIT_BAD_INPUT
-    from portspeed.parity.perf_compare import main_perf  # only --perf users pay for it
+    from portspeed.perf.reading.compare import main_perf  # only --perf users pay for it
     try:
-        from portspeed.parity.perf_plot import png_or_note
+        from portspeed.perf.reading.plot import png_or_note
 
         bandwidth = None if args.bandwidth is None else BY_ENV["PORTSPEED_BANDWIDTH"].parse("--bandwidth",
                                                                                            args.bandwidth)

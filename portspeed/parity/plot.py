@@ -1,6 +1,6 @@
 """Plot loss curves and their differences to the reference (optional: needs matplotlib).
 
-matplotlib is an optional dependency (``pip install portspeed[plot]``). Without it,
+matplotlib is an optional dependency (``pip install portspeed[plot]``; loaded by ``portspeed.plotting``). Without it,
 `plot_comparisons` raises `PlotUnavailableError` with that instruction; `portspeed compare`
 prints it and still reports and decides the exit status from the numbers, because a
 missing plotting library says nothing about whether the losses agree.
@@ -17,27 +17,10 @@ from pathlib import Path
 from typing import Sequence
 
 from portspeed.errors import PortspeedError
+from portspeed.plotting import load_pyplot
 from portspeed.parity.tolerance import Comparison
 
-__all__ = ["PlotUnavailableError", "plot_comparisons", "load_pyplot", "INSTALL_HINT"]
-
-INSTALL_HINT = "pip install 'portspeed[plot]'  (or: pip install matplotlib)"
-
-
-class PlotUnavailableError(PortspeedError, ImportError):
-    """matplotlib is not installed, so no plot can be drawn."""
-
-
-def load_pyplot(option: str = "--plot"):
-    """matplotlib's pyplot drawing to files only; `PlotUnavailableError` naming ``option`` and the install hint."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise PlotUnavailableError(f"{option} needs matplotlib, which is not installed; install it with: "
-                                   f"{INSTALL_HINT}") from e
-    matplotlib.use("Agg", force=True)  # files only: never open a window or need a display
-    import matplotlib.pyplot as plt
-    return plt
+__all__ = ["plot_comparisons"]
 
 
 def _nan_to_none(x: float | None) -> float:

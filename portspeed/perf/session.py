@@ -198,7 +198,7 @@ def _memory_counter() -> Any:
 
 def _link() -> dict[str, Any]:
     """The adapter, the default group's real backend and the host: the key of the link bandwidth table
-    (``portspeed.parity.perf_links``) that `compare --perf` reads beside RUN's collectives."""
+    (``portspeed.perf.reading.links``) that `compare --perf` reads beside RUN's collectives."""
     import socket
 
     import torch.distributed as dist

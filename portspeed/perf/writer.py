@@ -1,4 +1,4 @@
-"""One timed iteration as one JSON line of ``DIR/rank<R>.jsonl`` (read by ``portspeed.parity.perf_format``).
+"""One timed iteration as one JSON line of ``DIR/rank<R>.jsonl`` (read by ``portspeed.perf.reading.recordings``).
 
 Why one line per iteration and rank: a rank appends without coordinating with the others, a job that
 dies keeps the iterations it finished, and ``portspeed compare --perf`` reads any subset. The line
@@ -19,7 +19,7 @@ dies keeps the iterations it finished, and ``portspeed compare --perf`` reads an
                       "device_ms": 0.41, "rewrites": {}}, ...]}
 
 The session adds the link's key: ``"adapter"``, ``"backend"`` (the default group's real backend) and
-``"host"``, which ``portspeed compare --perf`` looks up in the link bandwidth table (``parity.perf_links``).
+``"host"``, which ``portspeed compare --perf`` looks up in the link bandwidth table (``perf.reading.links``).
 ``spans`` lists every call as ``[path, phase, start_ms, end_ms]`` from the iteration's start (for a Chrome
 trace: ``portspeed compare --perf RUN --chrome FILE``). ``parts`` has one row per (module path, phase), summed over
 micro-batches and calls, plus two rows for the time outside every module: ``(outside-modules)`` (phase

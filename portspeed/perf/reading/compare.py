@@ -18,7 +18,7 @@ host<->device copies, ops run through the CPU fallback, the portable TE's kernel
 implementation than on REF (or the reference one), collectives the router rewrote, and waiting for other
 ranks (with the rank that arrived last); when none of those, its own work is slower. Then the ten
 largest excesses and the collectives with their achieved bus bandwidth (nccl-tests' factors) beside the one
-measured for that link (``perf_links``: ``portspeed conformance --suites bandwidth``). Exit 0
+measured for that link (``links``: ``portspeed conformance --suites bandwidth``). Exit 0
 when no part exceeds the threshold (printed), 1 when a part is named, 2 when an input cannot be used.
 """
 
@@ -28,10 +28,12 @@ import dataclasses
 import json
 from typing import Any, TextIO
 
-from portspeed.parity import perf_links, perf_ranks, perf_slow_links
-from portspeed.parity.host_fallbacks import run_line
-from portspeed.parity.perf_format import PerfInputError, PerfRun, median, read_run, share
-from portspeed.parity.perf_links import bus_factor
+from portspeed.perf.reading import links as perf_links
+from portspeed.perf.reading import slow_rank as perf_ranks
+from portspeed.perf.reading import slow_links as perf_slow_links
+from portspeed.perf.reading.host_fallbacks import run_line
+from portspeed.perf.reading.recordings import PerfInputError, PerfRun, median, read_run, share
+from portspeed.perf.reading.links import bus_factor
 
 __all__ = ["THRESHOLD_POINTS", "Excess", "compare_runs", "main_perf", "bus_factor"]
 
@@ -177,14 +179,14 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     links = perf_links.read_table(table)  # a damaged table is refused before anything is written or said
     note = ""
     if chrome:  # written first: a path that cannot be written is refused before anything is said
-        from portspeed.parity.perf_chrome import write_chrome
+        from portspeed.perf.reading.chrome import write_chrome
 
         n = write_chrome(read_run(runs[-1]), chrome)
         note = f"\nchrome trace of {runs[-1]}: {chrome} ({n} events; open it in Perfetto or chrome://tracing)"
     if len(runs) == 1:
         run = read_run(runs[0])
         if png:  # drawn before anything is said, as the trace: a path that cannot be written is refused first
-            from portspeed.parity.perf_plot import draw_ranks
+            from portspeed.perf.reading.plot import draw_ranks
 
             note += draw_ranks(run, perf_ranks.find_slow_rank(run), png).note
         code = perf_ranks.report(run, out)
@@ -203,7 +205,7 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
     limit = THRESHOLD_POINTS if threshold is None else threshold
     excesses = compare_runs(ref, run)
     if png:
-        from portspeed.parity.perf_plot import draw_shares
+        from portspeed.perf.reading.plot import draw_shares
 
         note += draw_shares(ref, run, excesses, limit, png).note
     top = excesses[0] if excesses else None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from portspeed.parity.perf_format import PerfRun
+from portspeed.perf.reading.recordings import PerfRun
 
 __all__ = ["chrome_trace", "write_chrome"]
 

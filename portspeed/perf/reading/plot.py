@@ -2,12 +2,12 @@
 
 Why: the first line names one part; the picture shows it among the others, so a reader sees at a glance
 whether one part grew or many grew a little. It draws the figures the comparison already computed, never
-its own: with REF and RUN, the rows of ``perf_compare.compare_runs`` (RUN's share at its median iteration
+its own: with REF and RUN, the rows of ``compare.compare_runs`` (RUN's share at its median iteration
 beside REF's highest share), one row per part (its rank with the largest excess), sorted by the excess, the
-part the first line names in red; with one run, ``perf_ranks.find_slow_rank``'s waiting per rank as a share
+part the first line names in red; with one run, ``slow_rank.find_slow_rank``'s waiting per rank as a share
 of the step beside the rest of the step (computing and transfers), the slow rank in red.
 
-matplotlib is optional as for ``--plot`` (``plot.PlotUnavailableError``, the same install hint): without it
+matplotlib is optional as for ``--plot`` (``portspeed.plotting``: the same error and install hint): without it
 `png_or_note` says so and the comparison still prints and decides the exit status. A path that cannot be
 written raises ``PerfInputError`` naming it; the drawing comes before anything is printed.
 """
@@ -18,12 +18,12 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from portspeed.parity.perf_format import PerfInputError, PerfRun
-from portspeed.parity.plot import PlotUnavailableError, load_pyplot
+from portspeed.perf.reading.recordings import PerfInputError, PerfRun
+from portspeed.plotting import PlotUnavailableError, load_pyplot
 
 if TYPE_CHECKING:
-    from portspeed.parity.perf_compare import Excess
-    from portspeed.parity.perf_ranks import SlowRank
+    from portspeed.perf.reading.compare import Excess
+    from portspeed.perf.reading.slow_rank import SlowRank
 
 __all__ = ["TOP", "Drawn", "png_or_note", "share_rows", "draw_shares", "draw_ranks"]
 

@@ -2,7 +2,7 @@
 
 Why from the collectives: a rank that is slow makes every other rank of its groups wait for it, so it is
 the one that arrives last at the collectives after its slow work. Each collective is matched across the
-ranks of its group (``perf_format.Match``). Counting who arrives last misleads: a backend lets its ranks
+ranks of its group (``recordings.Match``). Counting who arrives last misleads: a backend lets its ranks
 leave a collective in a fixed order, so in back-to-back collectives the rank let go last also arrives
 last. So the rank that arrives last is charged only what its own work since its previous collective
 took beyond the other ranks' (its gap minus theirs), at most the spread (how long the first rank waited
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TextIO
 
-from portspeed.parity.perf_format import Match, PerfRun, median
+from portspeed.perf.reading.recordings import Match, PerfRun, median
 
 __all__ = ["MIN_SHARE", "NOISE_MS", "SlowRank", "find_slow_rank", "report"]
 

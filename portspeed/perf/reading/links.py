@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any
 
-from portspeed.parity.perf_format import PerfInputError, PerfRun, median
+from portspeed.perf.reading.recordings import PerfInputError, PerfRun, median
 
 __all__ = ["FORMAT", "VERSION", "FAMILIES", "bus_factor", "collectives_table", "default_path", "family", "find_link",
            "measured", "read_table", "run_link", "write_link"]

@@ -1,7 +1,7 @@
 """A perf recording read back (``DIR/rank<R>.jsonl``, written by ``portspeed.perf.writer``), checked, indexed.
 
-Why its own module: both readers, the two-run comparison (``perf_compare``) and the one-run slow-rank
-report (``perf_ranks``), need the same things: every (iteration, rank) line, each part's share of the step,
+Why its own module: both readers, the two-run comparison (``compare``) and the one-run slow-rank
+report (``slow_rank``), need the same things: every (iteration, rank) line, each part's share of the step,
 and each collective matched across the ranks of its group (same group, op and per-group sequence
 number), which is what separates waiting for the last rank from moving bytes. Nothing here imports
 torch or the recording side (the parity layer reads files only); a folder that cannot be used raises

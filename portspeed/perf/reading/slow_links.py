@@ -3,9 +3,9 @@
 Why from one run: a link that is slow (a bad cable, a CCL that stages through the host for one group, a
 route across a slower fabric) shows as a group that moves the same bytes with the same collective far
 slower than another group of the same run does. Comparing groups of one run needs no reference run and
-no table measured beforehand; the table (``perf_links``) is printed beside each collective for the rest.
+no table measured beforehand; the table (``links``) is printed beside each collective for the rest.
 
-How: each collective matched across its group's ranks (``perf_format.Match``) gives its transfer time
+How: each collective matched across its group's ranks (``recordings.Match``) gives its transfer time
 (from the last rank's arrival to the first rank leaving it done: waiting for a late rank is the slow
 rank's, not the link's) and so its bus bandwidth (nccl-tests' factors). For each collective and message
 size moved by two or more groups, each group's best call (its shortest transfer) is set against the fastest
@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TextIO
 
-from portspeed.parity.perf_format import PerfRun
-from portspeed.parity.perf_links import bus_factor
+from portspeed.perf.reading.recordings import PerfRun
+from portspeed.perf.reading.links import bus_factor
 
 __all__ = ["MIN_CALLS", "NOISE_MS", "SLOW_FACTOR", "GroupSpeed", "SlowLink", "find_slow_links", "group_speeds",
            "report"]
