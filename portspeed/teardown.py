@@ -19,10 +19,11 @@ interpreter is shutting down ("can't create new thread at interpreter shutdown")
 The wait is bounded by ``faulthandler.dump_traceback_later`` (its watchdog is C's, not a Python thread):
 after ``BOUND_S`` seconds it prints every thread's stack, this handler's frame on top, and exits 1.
 
-Limits: torch's ``destroy_process_group`` stops a Gloo group's threads only when the last Python reference
-to the group goes; a group some other object still holds (a model wrapper's attribute) keeps them into
-finalization, where a collective still in flight there (one issued asynchronously and never waited) can
-still abort as before.
+torch's ``destroy_process_group`` stops a Gloo group's threads only when the last Python reference to the
+group goes; a group some other object still holds (DeepSpeed's own) keeps them into finalization, so what
+runs first (``before_destroy``: ``portspeed.comm.inflight.drain``) waits for the asynchronous collectives still
+in flight and keeps them, and the router keeps each such work until it is seen completed: no finished work is
+released on a backend thread once finalization has begun.
 Not when the process is ending on an uncaught exception (``sys.last_value``): a failing rank's
 groups may hold a collective its peers never join, and it must not wait for them. A group still busy
 after the bound (a collective whose peers never joined) ends the process with exit status 1 and the
@@ -34,13 +35,23 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+from typing import Callable
 
-__all__ = ["BOUND_S", "destroy_leftover_groups", "install"]
+__all__ = ["BOUND_S", "before_destroy", "destroy_leftover_groups", "install"]
 
 #: seconds the exit handler waits for the groups to be destroyed (milliseconds when nothing is in flight)
 BOUND_S = 30.0
 _installed = False
 _lock = threading.Lock()
+#: what runs at exit before the groups are destroyed, under the same bound (``portspeed.comm.inflight.drain``)
+_before: list = []
+
+
+def before_destroy(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` at exit before the leftover groups are destroyed, inside the handler's bound (a layer above
+    registers it: the foundation imports nothing of portspeed)."""
+    if fn not in _before:
+        _before.append(fn)
 
 
 def install() -> None:
@@ -66,6 +77,8 @@ def destroy_leftover_groups(bound_s: float = BOUND_S) -> bool:
 
     faulthandler.dump_traceback_later(bound_s, exit=True)  # still busy then: the stacks on stderr, exit 1
     try:
+        for fn in _before:
+            fn()
         _forget_megatron_groups()
         c10d.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - reported, never raised at exit

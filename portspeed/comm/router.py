@@ -57,6 +57,7 @@ from portspeed.comm.backends import map_backend, real_backend, requested_backend
 from portspeed.accelerator.capabilities import CANONICAL_OP_IDS as _CANONICAL_OP_IDS, Gap
 from portspeed.comm.groups import _CAPS, capabilities_of, forget_all, use_capabilities
 from portspeed.comm.rewrites import _AG_TENSOR, _RS_TENSOR, Call, reset_stats, rewrite, stats
+from portspeed.comm.inflight import note as note_work
 from portspeed.comm.work import RewriteWork, nothing as _nothing
 
 __all__ = [
@@ -277,16 +278,26 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
                     if compiling():
                         return original(*args, **kwargs)
                     try:
-                        return call(*args, **kwargs)
+                        work = call(*args, **kwargs)
                     except Exception as error:
                         if logging_layer is None:
                             raise
                         _raise_through(logging_layer, call, error, args, kwargs)
-            return fn(original, *args, **kwargs)
+                    # async_op=True on host threads: kept until seen completed (comm/inflight.py)
+                    return work if work is None or not caps.groups_hold_host_threads else note_work(work)
+            return _noted(fn(original, *args, **kwargs), caps)
 
         return _documented(routed, original, name, fn)
 
     return _named(make, name, fn)
+
+
+def _noted(work: Any, caps: Any) -> Any:
+    """A rewritten call's work, kept until seen completed where the group runs on host threads (comm/inflight.py)."""
+    if work is None or caps is None:
+        return work
+    tables = caps.values() if type(caps) is dict else (caps,)
+    return note_work(work) if any(t is not None and t.groups_hold_host_threads for t in tables) else work
 
 
 def _route_all_gather(name: str, fn: Callable) -> Callable[[Callable], Callable]:
@@ -323,12 +334,14 @@ def _route_all_gather(name: str, fn: Callable) -> Callable[[Callable], Callable]
                     if compiling():  # torch.compile traces torch's function itself
                         return original(*args, **kwargs)
                     try:
-                        return call(*args, **kwargs)
+                        work = call(*args, **kwargs)
                     except Exception as error:
                         if logging_layer is None:
                             raise
                         _raise_through(logging_layer, call, error, args, kwargs)
-            return fn(original, *args, **kwargs)
+                    # async_op=True on host threads: kept until seen completed (comm/inflight.py)
+                    return work if work is None or not caps.groups_hold_host_threads else note_work(work)
+            return _noted(fn(original, *args, **kwargs), caps)
 
         return _documented(routed, original, name, fn)
 

@@ -14,6 +14,7 @@ backtrace of every thread (``abort_<n>.txt`` in ``--out``).
 Cases (``--cases``, comma-separated; each run takes the next in turn):
 ``gloo-one``   the CPU adapter's Gloo, world 1: blocking and asynchronous collectives, one never waited;
 ``gloo-two``   the same with two ranks;
+``held-two``   the same on a group the job keeps a reference to (as DeepSpeed keeps its own groups);
 ``testdev-one`` / ``testdev-two``  the test device and its CCL (testccl, staged through Gloo);
 ``acme-one``   the one-file vendor adapter (examples/vendor_adapter.py) with the portable TE's ring
                attention and grouped GEMM: the launch that aborted in CI.
@@ -45,22 +46,32 @@ DROPPED_NUMEL = 8 * 1024 * 1024
 _ACME = _REPO / "examples" / "vendor_adapter.py"
 
 
-def _collectives(device: str) -> None:
-    """What the suite's short jobs do: blocking and asynchronous collectives, the last one never waited."""
+#: groups held by the job itself, as DeepSpeed holds its own: destroying the registered groups at exit does not
+#: stop their backend threads (torch stops them when the last reference goes)
+_HELD: list = []
+
+
+def _collectives(device: str, held: bool = False) -> None:
+    """What the suite's short jobs do: blocking and asynchronous collectives, the last one never waited; with
+    ``held``, on a group of every rank that the job keeps a reference to."""
     import torch
     import torch.distributed as dist
 
     world = dist.get_world_size()
+    group = None
+    if held:
+        group = dist.new_group(list(range(world)))
+        _HELD.append(group)
     x = torch.ones(64, device=device)
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=group)
     out = torch.empty(64 * world, device=device)
-    dist.all_gather_into_tensor(out, x)
-    work = dist.all_reduce(torch.ones(1024, device=device), async_op=True)
+    dist.all_gather_into_tensor(out, x, group=group)
+    work = dist.all_reduce(torch.ones(1024, device=device), async_op=True, group=group)
     work.wait()
-    dist.broadcast(torch.zeros(8, device=device), src=0)
+    dist.broadcast(torch.zeros(8, device=device), src=0, group=group)
     # dropped: its Work is never waited, so the backend's thread may still be finishing it (and freeing its
     # 32 MB input) while the interpreter exits; the window the abort needs, made wide
-    dist.all_reduce(torch.ones(DROPPED_NUMEL, device=device), async_op=True)
+    dist.all_reduce(torch.ones(DROPPED_NUMEL, device=device), async_op=True, group=group)
 
 
 def _acme_job() -> None:
@@ -91,6 +102,7 @@ def _device() -> str:
 CASES: dict[str, tuple[str, int, Callable[[], None]]] = {
     "gloo-one": ("cpu", 1, lambda: _collectives("cpu")),
     "gloo-two": ("cpu", 2, lambda: _collectives("cpu")),
+    "held-two": ("cpu", 2, lambda: _collectives("cpu", held=True)),
     "testdev-one": ("testdev", 1, lambda: _collectives(_device())),
     "testdev-two": ("testdev", 2, lambda: _collectives(_device())),
     "acme-one": (f"{_ACME}:AcmeAccelerator", 1, _acme_job),
