@@ -45,8 +45,11 @@ def held() -> int:
 def drain() -> None:
     """At exit: wait for every work still held, and keep them (the interpreter frees them on its own thread)."""
     for work in list(_held):
-        if not work.is_completed():
-            work.wait()
+        try:
+            if not work.is_completed():
+                work.wait()
+        except Exception:  # noqa: BLE001 - its group gone or failed: nothing left in flight to wait for
+            continue
 
 
 teardown.before_destroy(drain)
