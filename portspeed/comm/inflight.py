@@ -28,11 +28,19 @@ __all__ = ["note", "drain", "held"]
 _held: list[Any] = []
 
 
+def _done(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:  # noqa: BLE001 - not a work that can say (a placeholder inside a coalescing batch): let go
+        return True
+
+
 def note(work: Any) -> Any:
-    """Keep ``work`` (a collective's ``Work``, or None) until it is seen completed; returns it."""
-    if work is not None:
+    """Keep ``work`` (a collective's ``Work``, or None) until it is seen completed; returns it. Only objects
+    whose ``is_completed`` can be called are kept (inside a coalescing batch torch hands back placeholders)."""
+    if work is not None and callable(getattr(work, "is_completed", None)):
         if _held:
-            _held[:] = [w for w in _held if not w.is_completed()]
+            _held[:] = [w for w in _held if not _done(w)]
         _held.append(work)
     return work
 
@@ -46,7 +54,7 @@ def drain() -> None:
     """At exit: wait for every work still held, and keep them (the interpreter frees them on its own thread)."""
     for work in list(_held):
         try:
-            if not work.is_completed():
+            if not _done(work):
                 work.wait()
         except Exception:  # noqa: BLE001 - its group gone or failed: nothing left in flight to wait for
             continue
