@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_te_kernels as te  # noqa: E402  (its stock_run: one stock run through portspeed run, step times)
+from bench_probe_stock import add_stock_run_args  # noqa: E402
 
 LEVELS = ("off", "module", "op")
 
@@ -39,12 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--devices", nargs="+", default=["cpu", "testdev"])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--stock-seq", type=int, default=2048)
-    p.add_argument("--stock-iters", type=int, default=6, help="iterations; the first --stock-skip untimed")
-    p.add_argument("--stock-skip", type=int, default=2)
-    p.add_argument("--case-timeout", type=float, default=1200.0)
-    p.add_argument("--log-dir", default=None)
-    p.add_argument("--portspeed-from", default=None)
+    add_stock_run_args(p)
     args = p.parse_args(argv)
     times: dict[tuple[str, str], list[float]] = {}
     root, failed = Path(tempfile.mkdtemp(prefix="perf_stock_")), False

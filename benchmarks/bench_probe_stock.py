@@ -25,14 +25,19 @@ CONFIGS = {"off": {}, "module": {"PORTSPEED_PROBE_LEVEL": "module"}, "op": {"POR
            "nan": {"PORTSPEED_PROBE_NAN": "1"}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_stock_run_args(p: argparse.ArgumentParser) -> None:
+    """The switches of one stock run (``bench_te_kernels.stock_run``'s ``args``); shared with bench_perf_stock.py."""
     p.add_argument("--stock-seq", type=int, default=2048)
     p.add_argument("--stock-iters", type=int, default=6, help="iterations; the first --stock-skip untimed")
     p.add_argument("--stock-skip", type=int, default=2)
     p.add_argument("--case-timeout", type=float, default=1200.0)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--portspeed-from", default=None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_stock_run_args(p)
     args = p.parse_args(argv)
     rows, root = [], Path(tempfile.mkdtemp(prefix="probe_stock_"))
     try:
