@@ -106,6 +106,11 @@ demo:
 ## 12 min 21 s, against 25 min 7 s and 11 min 2 s on one worker: the multi-rank tests already use both
 ## cores, and two of them at once only share them (CONTRIBUTING.md, "How CI runs them").
 PYTEST_CI   ?= --durations=25
+## The tests that mostly wait: each plants a hang and sleeps out its 10-s hang timeout, so one run uses a
+## fraction of a core. They run in a session of their own on three xdist workers (WAIT_XDIST), each leg's,
+## as the 750-run stress of their fault cases did (docs/reliability.md); WAIT_XDIST= runs them on one.
+WAIT_TESTS  := tests/test_trace.py tests/test_trace_unrecorded.py tests/test_trace_funcol.py tests/test_trace_megatron.py
+WAIT_XDIST  ?= -n 3
 test:
 	$(call step,Debian packages (apt-get when missing),sysdeps,sysdeps)
 	@$(MAKE) --no-print-directory -j2 --output-sync=line setup-leg1 setup-leg2
@@ -130,7 +135,8 @@ setup-leg2:
 test-leg1: $(STAMP) testdev ds-ops
 	@$(MAKE) --no-print-directory run-leg1
 run-leg1:
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_CI) -m "$(LEG1_MARKS)"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_CI) -m "$(LEG1_MARKS)" $(addprefix --ignore=,$(WAIT_TESTS))
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_CI) $(WAIT_XDIST) -m "$(LEG1_MARKS)" $(WAIT_TESTS)
 
 ## Megatron-Bridge (leg 2 only: it needs Python >= 3.12). --no-deps: its declared requirements do not install
 ## without CUDA (fast-hadamard-transform is an sdist that builds a CUDA extension; megatron-core[dev] pins an
@@ -148,7 +154,7 @@ test-leg2: leg2-deps
 	@$(MAKE) --no-print-directory run-leg2
 run-leg2:
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m "$(LEG2_MARKS)" $(LEG2_TESTS)
-	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m torch_hooks $(LEG2_HOOK_TESTS)
+	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) $(WAIT_XDIST) -m torch_hooks $(LEG2_HOOK_TESTS)
 
 ## torch 2.14.1 on leg 2's stack (Python 3.12, megatron-core 0.19.2, DeepSpeed 0.19.8, the Bridge), by hand since
 ## CI's leg 2 moved to torch 2.15.0: its own venv, leg 2's constraints with only the torch pin moved, leg 2's tests.

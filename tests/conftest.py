@@ -92,7 +92,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """The warm Python: torch imported once, every child Python of the tests forked from it (tests/helpers/launch.py).
 
     Why: most of a multi-rank test's time on the 2-core CI machine was its processes importing torch."""
-    if not session.config.getoption("--cold-python"):
+    config = session.config
+    xdist_controller = bool(config.getoption("numprocesses", None)) and not hasattr(config, "workerinput")
+    if not config.getoption("--cold-python") and not xdist_controller:  # xdist's workers start their own
         from helpers import launch
 
         launch.start_warm(Path(tempfile.mkdtemp(prefix="portspeed-warm-")))
