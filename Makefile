@@ -44,7 +44,7 @@ LEG2_MARKS  := not cpu_wheel and not testdev and not stock and not ds_more
 LEG2_HOOK_TESTS := tests/test_trace.py tests/test_nan_check.py
 
 .PHONY: test-perf-stock stress stress-exit venv venv312 testdev demo test test-leg1 test-leg2 setup-leg1 setup-leg2 leg2-deps \
-        run-leg1 run-leg2 test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock test-stock-bare stock-tag-venvs stock-tests megatron-unit-tests bench clean \
+        run-leg1 run-leg2 run-leg1-main run-leg1-wait run-leg2-main run-leg2-wait test-leg2-torch2.14 test-stock test-stock-matrix test-probe-stock test-stock-bare stock-tag-venvs stock-tests megatron-unit-tests bench clean \
         sysdeps ds-ops test-deepspeed-more
 
 ## Debian packages the tests need: Open MPI (mpirun, and the library mpi4py loads) for DeepSpeed's MPI
@@ -107,15 +107,17 @@ demo:
 ## cores, and two of them at once only share them (CONTRIBUTING.md, "How CI runs them").
 PYTEST_CI   ?= --durations=25
 ## The tests that mostly wait: each plants a hang and sleeps out its 10-s hang timeout, so one run uses a
-## fraction of a core. They run in a session of their own on three xdist workers (WAIT_XDIST), each leg's,
-## as the 750-run stress of their fault cases did (docs/reliability.md); WAIT_XDIST= runs them on one.
+## fraction of a core. They run in a session of their own on three xdist workers (WAIT_XDIST), as the 750-run
+## stress of their fault cases did (docs/reliability.md); `make test` runs both legs' such sessions side by side,
+## last (their output printed as each ends). WAIT_XDIST= runs them on one worker.
 WAIT_TESTS  := tests/test_trace.py tests/test_trace_unrecorded.py tests/test_trace_funcol.py tests/test_trace_megatron.py
 WAIT_XDIST  ?= -n 3
 test:
 	$(call step,Debian packages (apt-get when missing),sysdeps,sysdeps)
 	@$(MAKE) --no-print-directory -j2 --output-sync=line setup-leg1 setup-leg2
-	@$(MAKE) --no-print-directory run-leg1
-	@$(MAKE) --no-print-directory run-leg2
+	@$(MAKE) --no-print-directory run-leg1-main
+	@$(MAKE) --no-print-directory run-leg2-main
+	@$(MAKE) --no-print-directory -j2 --output-sync=target run-leg1-wait run-leg2-wait
 
 ## One set-up step: one line on the terminal, its output in .setup-logs/NAME.log (shown when it fails).
 SETUP_LOGS  := .setup-logs
@@ -134,8 +136,10 @@ setup-leg2:
 ## Leg 1: the whole suite on $(PYTHON) with the CPU torch wheel and megatron-core 0.16.1.
 test-leg1: $(STAMP) testdev ds-ops
 	@$(MAKE) --no-print-directory run-leg1
-run-leg1:
+run-leg1: run-leg1-main run-leg1-wait
+run-leg1-main:
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_CI) -m "$(LEG1_MARKS)" $(addprefix --ignore=,$(WAIT_TESTS))
+run-leg1-wait:
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_CI) $(WAIT_XDIST) -m "$(LEG1_MARKS)" $(WAIT_TESTS)
 
 ## Megatron-Bridge (leg 2 only: it needs Python >= 3.12). --no-deps: its declared requirements do not install
@@ -152,8 +156,10 @@ leg2-deps: venv312
 	$(MAKE) --no-print-directory $(BRIDGE_STAMP)
 test-leg2: leg2-deps
 	@$(MAKE) --no-print-directory run-leg2
-run-leg2:
+run-leg2: run-leg2-main run-leg2-wait
+run-leg2-main:
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) -m "$(LEG2_MARKS)" $(LEG2_TESTS)
+run-leg2-wait:
 	OMP_NUM_THREADS=1 .venv312/bin/python -m pytest -q $(PYTEST_CI) $(WAIT_XDIST) -m torch_hooks $(LEG2_HOOK_TESTS)
 
 ## torch 2.14.1 on leg 2's stack (Python 3.12, megatron-core 0.19.2, DeepSpeed 0.19.8, the Bridge), by hand since

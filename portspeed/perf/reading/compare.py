@@ -190,14 +190,14 @@ def main_perf(runs: list[str], out: TextIO, threshold: float | None, json_path: 
 
             note += draw_ranks(run, perf_ranks.find_slow_rank(run), png).note
         code = perf_ranks.report(run, out)
-        code = max(code, perf_slow_links.report(run, out))
+        code = max(code, perf_slow_links.report(run, out, links))
         fallbacks = run_line(run.lines)  # a PrivateUse1 device's CPU-fallback ops and the host rung's, if any
         if fallbacks:
             print(fallbacks, file=out)
         _collectives(run, table, links, out)
         if json_path:
-            _dump(json_path, {"slow_rank": perf_ranks.describe(run), "slow_links": perf_slow_links.describe(run),
-                              "exit": code})
+            _dump(json_path, {"slow_rank": perf_ranks.describe(run),
+                              "slow_links": perf_slow_links.describe(run, links), "exit": code})
         if note:
             print(note, file=out)
         return code

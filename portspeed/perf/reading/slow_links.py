@@ -14,20 +14,26 @@ late, which only ever adds time, and did so on most calls of a clean 3-rank run 
 that is slow is slow on every call, its best included. A group is slow when the fastest is
 ``SLOW_FACTOR`` times faster and its best call at least ``NOISE_MS`` longer.
 
+A group that no other group can be set against (one TP group, say) is set against the bus bandwidth
+measured for its link (``portspeed conformance --suites bandwidth``, read by ``links``) at a message size
+within a factor of two of its own: the same ``SLOW_FACTOR`` and ``NOISE_MS``, on the same best call.
+
 Line: ``slow link: group [1, 2] moves all_reduce of 64.0 KiB at 0.004 GB/s bus bandwidth at best (15 calls,
-the fastest 30.2 ms), 95x below group [0, 1] (0.38 GB/s, 0.3 ms)`` or ``no slow link: ...``.
+the fastest 30.2 ms), 95x below group [0, 1] (0.38 GB/s, 0.3 ms)`` (or ``... below the bus bandwidth measured
+for this link ...``) or ``no slow link: ...``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TextIO
+import math
+from typing import Any, Collection, TextIO
 
+from portspeed.perf.reading import links as perf_links
 from portspeed.perf.reading.recordings import PerfRun
-from portspeed.perf.reading.links import bus_factor
 
-__all__ = ["MIN_CALLS", "NOISE_MS", "SLOW_FACTOR", "GroupSpeed", "SlowLink", "find_slow_links", "group_speeds",
-           "report"]
+__all__ = ["MIN_CALLS", "NOISE_MS", "SLOW_FACTOR", "BelowLink", "GroupSpeed", "SlowLink", "below_measured",
+           "find_slow_links", "group_speeds", "report"]
 
 #: a group is slow when another group moves the same bytes with the same collective this many times faster
 SLOW_FACTOR = 4.0
@@ -73,7 +79,7 @@ def group_speeds(run: PerfRun) -> list[GroupSpeed]:
     out = []
     for (op, nbytes, group), times in got.items():
         ms = min(times)
-        gbps = nbytes * bus_factor(op, len(group)) / (max(ms, 1e-6) * 1e-3) / 1e9
+        gbps = nbytes * perf_links.bus_factor(op, len(group)) / (max(ms, 1e-6) * 1e-3) / 1e9
         out.append(GroupSpeed(op, nbytes, group, len(times), ms, gbps))
     return out
 
@@ -99,6 +105,40 @@ def find_slow_links(run: PerfRun) -> tuple[list[SlowLink], int]:
     return found, compared
 
 
+@dataclasses.dataclass
+class BelowLink:
+    """A group's best call set against the bus bandwidth measured for its link at a size near its own."""
+
+    slow: GroupSpeed
+    measured_gbps: float
+    measured_bytes: int
+
+    @property
+    def factor(self) -> float:
+        return self.measured_gbps / self.slow.gbps if self.slow.gbps > 0 else float("inf")
+
+
+def below_measured(run: PerfRun, links: list[dict[str, Any]],
+                   skip: Collection[tuple[int, ...]] = ()) -> list[BelowLink]:
+    """The groups of ``run`` (those in ``skip`` left out) whose best call is ``SLOW_FACTOR`` times below the bus
+    bandwidth measured for RUN's link (``links``: the table) at a message size within 2x of theirs."""
+    link = perf_links.find_link(links, *perf_links.run_link(run))
+    if link is None:
+        return []
+    found = []
+    for g in group_speeds(run):
+        row = perf_links.measured(link, g.op, len(g.group), g.nbytes)
+        if g.calls < MIN_CALLS or g.group in skip or row is None or not row.get("busbw_gbs") \
+                or abs(math.log2(row["bytes"] / g.nbytes)) > 1:
+            continue
+        ref = float(row["busbw_gbs"])
+        expected_ms = g.nbytes * perf_links.bus_factor(g.op, len(g.group)) / (ref * 1e9) * 1e3
+        if ref >= SLOW_FACTOR * g.gbps and g.transfer_ms - expected_ms >= NOISE_MS:
+            found.append(BelowLink(g, ref, int(row["bytes"])))
+    found.sort(key=lambda b: -b.factor)
+    return found
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
@@ -107,27 +147,44 @@ def _group(g: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, g)) + "]"
 
 
-def report(run: PerfRun, out: TextIO) -> int:
-    """Print the slow-link finding of ``run`` (one line per slow group); 1 when a group is named, else 0."""
+def _speed(g: GroupSpeed) -> str:
+    return (f"group {_group(g.group)} moves {g.op} of {_size(g.nbytes)} at {g.gbps:.3g} GB/s bus bandwidth at best "
+            f"({g.calls} calls, the fastest {g.transfer_ms:.1f} ms)")
+
+
+_LOOK = ("look at the link between these ranks, or at what its backend does for this group (`portspeed info`, the "
+         "router's rewrites in the table below)")
+
+
+def report(run: PerfRun, out: TextIO, links: list[dict[str, Any]] = ()) -> int:
+    """Print the slow-link finding of ``run`` (one line per slow group), against the other groups and then against
+    the bandwidth measured for the link (``links``: the table); 1 when a group is named, else 0."""
     found, compared = find_slow_links(run)
-    if not found:
-        why = (f"{compared} collective(s) and size(s) moved by two or more groups, none {SLOW_FACTOR:g}x slower "
-               f"than another group's" if compared else
-               "no two groups moved the same bytes with the same collective: nothing to compare")
-        print(f"no slow link: {why}", file=out)
-        return 0
+    below = below_measured(run, list(links), {s.slow.group for s in found})
     for s in found:
-        print(f"slow link: group {_group(s.slow.group)} moves {s.slow.op} of {_size(s.slow.nbytes)} at "
-              f"{s.slow.gbps:.3g} GB/s bus bandwidth at best ({s.slow.calls} calls, the fastest "
-              f"{s.slow.transfer_ms:.1f} ms), {s.factor:.0f}x below group {_group(s.fast.group)} "
-              f"({s.fast.gbps:.3g} GB/s, {s.fast.transfer_ms:.1f} ms): look at the link between these ranks, "
-              "or at what its backend does for this group (`portspeed info`, the router's rewrites in the "
-              "table below)", file=out)
-    return 1
+        print(f"slow link: {_speed(s.slow)}, {s.factor:.0f}x below group {_group(s.fast.group)} "
+              f"({s.fast.gbps:.3g} GB/s, {s.fast.transfer_ms:.1f} ms): {_LOOK}", file=out)
+    for b in below:
+        print(f"slow link: {_speed(b.slow)}, {b.factor:.0f}x below the bus bandwidth measured for this link "
+              f"({b.measured_gbps:.3g} GB/s at {_size(b.measured_bytes)} in the link's bandwidth table): {_LOOK}",
+              file=out)
+    if found or below:
+        return 1
+    why = (f"{compared} collective(s) and size(s) moved by two or more groups, none {SLOW_FACTOR:g}x slower "
+           f"than another group's" if compared else
+           "no two groups moved the same bytes with the same collective: nothing to compare")
+    measured = perf_links.find_link(list(links), *perf_links.run_link(run)) is not None
+    against = (f"none {SLOW_FACTOR:g}x below the bandwidth measured for the link" if measured else
+               "no bandwidth measured for the link to set a group against (the note under the table below)")
+    print(f"no slow link: {why}; {against}", file=out)
+    return 0
 
 
-def describe(run: PerfRun) -> dict:
+def describe(run: PerfRun, links: list[dict[str, Any]] = ()) -> dict:
     """The finding as JSON (``--json``)."""
     found, compared = find_slow_links(run)
     slow = [dataclasses.asdict(s.slow) | {"fast": dataclasses.asdict(s.fast), "factor": s.factor} for s in found]
-    return {"compared": compared, "slow": slow}
+    below = [dataclasses.asdict(b.slow) | {"measured_gbps": b.measured_gbps, "measured_bytes": b.measured_bytes,
+                                           "factor": b.factor}
+             for b in below_measured(run, list(links), {s.slow.group for s in found})]
+    return {"compared": compared, "slow": slow, "below_measured": below}
