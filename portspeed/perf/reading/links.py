@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from portspeed.perf.reading.recordings import PerfInputError, PerfRun, median
 
@@ -96,7 +96,7 @@ def write_link(path: str, link: dict[str, Any]) -> None:
     os.replace(tmp, path)  # a reader never sees half a table
 
 
-def find_link(links: list[dict[str, Any]], adapter: str | None, backend: str | None,
+def find_link(links: Sequence[dict[str, Any]], adapter: str | None, backend: str | None,
               host: str | None) -> dict[str, Any] | None:
     """The entry measured for this adapter, backend and host (None: not measured there)."""
     for link in links:

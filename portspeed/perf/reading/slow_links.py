@@ -14,9 +14,10 @@ late, which only ever adds time, and did so on most calls of a clean 3-rank run 
 that is slow is slow on every call, its best included. A group is slow when the fastest is
 ``SLOW_FACTOR`` times faster and its best call at least ``NOISE_MS`` longer.
 
-A group that no other group can be set against (one TP group, say) is set against the bus bandwidth
-measured for its link (``portspeed conformance --suites bandwidth``, read by ``links``) at a message size
-within a factor of two of its own: the same ``SLOW_FACTOR`` and ``NOISE_MS``, on the same best call.
+A group not named against another group (one TP group has none to be set against; on one slow fabric all
+groups are alike) is set against the bus bandwidth measured for its link (``portspeed conformance --suites
+bandwidth``, read by ``links``) at a message size within a factor of two of its own: the same
+``SLOW_FACTOR`` and ``NOISE_MS``, on the same best call.
 
 Line: ``slow link: group [1, 2] moves all_reduce of 64.0 KiB at 0.004 GB/s bus bandwidth at best (15 calls,
 the fastest 30.2 ms), 95x below group [0, 1] (0.38 GB/s, 0.3 ms)`` (or ``... below the bus bandwidth measured
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Collection, TextIO
+from typing import Any, Collection, Sequence, TextIO
 
 from portspeed.perf.reading import links as perf_links
 from portspeed.perf.reading.recordings import PerfRun
@@ -118,7 +119,7 @@ class BelowLink:
         return self.measured_gbps / self.slow.gbps if self.slow.gbps > 0 else float("inf")
 
 
-def below_measured(run: PerfRun, links: list[dict[str, Any]],
+def below_measured(run: PerfRun, links: Sequence[dict[str, Any]],
                    skip: Collection[tuple[int, ...]] = ()) -> list[BelowLink]:
     """The groups of ``run`` (those in ``skip`` left out) whose best call is ``SLOW_FACTOR`` times below the bus
     bandwidth measured for RUN's link (``links``: the table) at a message size within 2x of theirs."""
@@ -156,11 +157,11 @@ _LOOK = ("look at the link between these ranks, or at what its backend does for 
          "router's rewrites in the table below)")
 
 
-def report(run: PerfRun, out: TextIO, links: list[dict[str, Any]] = ()) -> int:
+def report(run: PerfRun, out: TextIO, links: Sequence[dict[str, Any]] = ()) -> int:
     """Print the slow-link finding of ``run`` (one line per slow group), against the other groups and then against
     the bandwidth measured for the link (``links``: the table); 1 when a group is named, else 0."""
     found, compared = find_slow_links(run)
-    below = below_measured(run, list(links), {s.slow.group for s in found})
+    below = below_measured(run, links, {s.slow.group for s in found})
     for s in found:
         print(f"slow link: {_speed(s.slow)}, {s.factor:.0f}x below group {_group(s.fast.group)} "
               f"({s.fast.gbps:.3g} GB/s, {s.fast.transfer_ms:.1f} ms): {_LOOK}", file=out)
@@ -173,18 +174,18 @@ def report(run: PerfRun, out: TextIO, links: list[dict[str, Any]] = ()) -> int:
     why = (f"{compared} collective(s) and size(s) moved by two or more groups, none {SLOW_FACTOR:g}x slower "
            f"than another group's" if compared else
            "no two groups moved the same bytes with the same collective: nothing to compare")
-    measured = perf_links.find_link(list(links), *perf_links.run_link(run)) is not None
+    measured = perf_links.find_link(links, *perf_links.run_link(run)) is not None
     against = (f"none {SLOW_FACTOR:g}x below the bandwidth measured for the link" if measured else
                "no bandwidth measured for the link to set a group against (the note under the table below)")
     print(f"no slow link: {why}; {against}", file=out)
     return 0
 
 
-def describe(run: PerfRun, links: list[dict[str, Any]] = ()) -> dict:
+def describe(run: PerfRun, links: Sequence[dict[str, Any]] = ()) -> dict:
     """The finding as JSON (``--json``)."""
     found, compared = find_slow_links(run)
     slow = [dataclasses.asdict(s.slow) | {"fast": dataclasses.asdict(s.fast), "factor": s.factor} for s in found]
     below = [dataclasses.asdict(b.slow) | {"measured_gbps": b.measured_gbps, "measured_bytes": b.measured_bytes,
                                            "factor": b.factor}
-             for b in below_measured(run, list(links), {s.slow.group for s in found})]
+             for b in below_measured(run, links, {s.slow.group for s in found})]
     return {"compared": compared, "slow": slow, "below_measured": below}
