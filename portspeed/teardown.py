@@ -44,7 +44,7 @@ BOUND_S = 30.0
 _installed = False
 _lock = threading.Lock()
 #: what runs at exit before the groups are destroyed, under the same bound (``portspeed.comm.inflight.drain``)
-_before: list = []
+_before: list[Callable[[], None]] = []
 
 
 def before_destroy(fn: Callable[[], None]) -> None:

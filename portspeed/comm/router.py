@@ -283,8 +283,7 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
                         if logging_layer is None:
                             raise
                         _raise_through(logging_layer, call, error, args, kwargs)
-                    # async_op=True on host threads: kept until seen completed (comm/inflight.py)
-                    return work if work is None or not caps.groups_hold_host_threads else note_work(work)
+                    return work if work is None else _noted(work, caps)  # async_op=True (comm/inflight.py)
             return _noted(fn(original, *args, **kwargs), caps)
 
         return _documented(routed, original, name, fn)
@@ -293,7 +292,8 @@ def _route(name: str, fn: Callable, tensor_at: tuple[int, str] | None, op_at: in
 
 
 def _noted(work: Any, caps: Any) -> Any:
-    """A rewritten call's work, kept until seen completed where the group runs on host threads (comm/inflight.py)."""
+    """A call's work (``async_op=True``), kept until seen completed where its group runs on host threads
+    (comm/inflight.py); ``caps``: the group's capability table, or a dict of them (a rewritten call's)."""
     if work is None or caps is None:
         return work
     tables = caps.values() if type(caps) is dict else (caps,)
@@ -339,8 +339,7 @@ def _route_all_gather(name: str, fn: Callable) -> Callable[[Callable], Callable]
                         if logging_layer is None:
                             raise
                         _raise_through(logging_layer, call, error, args, kwargs)
-                    # async_op=True on host threads: kept until seen completed (comm/inflight.py)
-                    return work if work is None or not caps.groups_hold_host_threads else note_work(work)
+                    return work if work is None else _noted(work, caps)  # async_op=True (comm/inflight.py)
             return _noted(fn(original, *args, **kwargs), caps)
 
         return _documented(routed, original, name, fn)
